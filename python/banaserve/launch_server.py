@@ -1,0 +1,94 @@
+"""``python -m banaserve.launch_server [SGLang server flags] [BanaServe flags]``.
+
+With one instance this is an SGLang server with BanaServe's CPU platform and defaults that
+fit the machine: on a host with no NVIDIA driver it adds ``--device cpu``, ``--sleep-on-idle``
+and a KV pool sized from free memory; everywhere it enables ``/metrics``, serves
+SmolLM2-135M-Instruct when no model is given, and answers 404 for an OpenAI request naming a
+model it does not serve (see ``banaserve.server.openai_request_guard``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from banaserve.platform import cpu_platform_wanted, install
+from banaserve.server.cli import LaunchConfig, build_parser, split_banaserve_args
+from banaserve.server.kv_pool_sizing import size_kv_pool
+
+# The .pth file normally installed the hook already; this covers running from a source tree,
+# and SGLang's spawned children, which import this module as their __mp_main__. No sglang
+# import happens above this line.
+install()
+
+logger = logging.getLogger("banaserve.launch_server")
+
+
+def plan_launch(argv: list[str]) -> LaunchConfig:
+    """Validate ``argv`` and decide the SGLang argv; may convert the default model (slow)."""
+    args = build_parser().parse_args(argv)  # exits with usage text on a bad flag
+    ours, sglang_argv = split_banaserve_args(argv)
+    notes: list[str] = []
+
+    model_path = args.model_path
+    if model_path is None:
+        from banaserve.models import default_model_path
+
+        model_path = str(default_model_path())
+        sglang_argv += ["--model-path", model_path]
+        notes.append(f"no --model-path: serving {model_path}")
+    served_name = args.served_model_name
+    if served_name is None:
+        served_name = Path(model_path.rstrip("/")).name or model_path
+        sglang_argv += ["--served-model-name", served_name]
+    if not args.enable_metrics:
+        sglang_argv.append("--enable-metrics")
+
+    if cpu_platform_wanted() and not ours.no_cpu_defaults:
+        if args.device is None:
+            sglang_argv += ["--device", "cpu"]
+        if not args.sleep_on_idle:
+            sglang_argv.append("--sleep-on-idle")
+        if args.max_total_tokens is None and Path(model_path, "config.json").is_file():
+            size = size_kv_pool(Path(model_path), ours.kv_pool_memory_fraction, args.dtype)
+            sglang_argv += ["--max-total-tokens", str(size.tokens)]
+            notes.append(
+                f"KV pool {size.tokens} tokens ({size.tokens * size.bytes_per_token / 2**30:.2f}"
+                f" GiB of {size.available_bytes / 2**30:.1f} GiB available)"
+            )
+        notes.append("no NVIDIA driver: SGLang CPU engine")
+    return LaunchConfig(sglang_argv, [served_name, model_path], notes)
+
+
+def add_openai_request_guard(served_names: list[str]) -> None:
+    from sglang.srt.entrypoints.http_server import app
+
+    from banaserve.server.openai_request_guard import OpenAIRequestGuard
+
+    app.add_middleware(OpenAIRequestGuard, served_names=served_names)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="[banaserve] %(message)s")
+    plan = plan_launch(list(sys.argv[1:] if argv is None else argv))
+    for note in plan.notes:
+        logger.info(note)
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(plan.sglang_argv)
+    add_openai_request_guard(plan.served_names)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""An import hook that applies the CPU platform in every process that imports SGLang.
+
+It is installed by ``banaserve_platform.pth`` at interpreter start, so it reaches the
+scheduler and detokenizer processes SGLang spawns without editing SGLang's files. It costs
+one dict lookup per import until ``sglang`` or ``sgl_kernel`` is imported, and does nothing
+at all where CUDA is usable.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from collections.abc import Sequence
+
+from banaserve.platform.detect import cpu_platform_wanted
+from banaserve.platform.environment import apply_cpu_environment
+
+_WATCHED = frozenset({"sglang", "sgl_kernel"})
+
+
+class _TolerantLoader(importlib.abc.Loader):
+    """Runs the real ``sgl_kernel`` loader; on ImportError keeps the module with stand-ins."""
+
+    def __init__(self, real: importlib.abc.Loader) -> None:
+        self._real = real
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        try:
+            self._real.exec_module(module)
+        except ImportError as exc:
+            from banaserve.platform import sgl_kernel_fallback
+
+            sgl_kernel_fallback.install(module, exc)
+
+
+class CpuPlatformFinder(importlib.abc.MetaPathFinder):
+    """Meta-path finder that prepares ``sglang`` and ``sgl_kernel`` imports for the CPU."""
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _WATCHED or not cpu_platform_wanted():
+            return None
+        if fullname == "sglang":
+            # SGLang reads these at import time (is_cpu() is cached), so set them first.
+            apply_cpu_environment()
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _TolerantLoader(spec.loader)
+        return spec
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path``; idempotent."""
+    if not any(isinstance(finder, CpuPlatformFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, CpuPlatformFinder())

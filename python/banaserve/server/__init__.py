@@ -1,0 +1,1 @@
+"""One SGLang server with BanaServe's platform and defaults (``banaserve.launch_server``)."""

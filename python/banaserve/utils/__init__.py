@@ -1,0 +1,1 @@
+"""Small helpers shared by the launcher, the tests and the benchmarks."""

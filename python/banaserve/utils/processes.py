@@ -1,0 +1,132 @@
+"""Child processes started, watched and stopped by PID.
+
+Every child runs in its own session (process group), so stopping it also stops whatever it
+spawned (an SGLang server spawns a scheduler and a detokenizer). Output goes to a log file
+whose last lines are quoted when the child fails, so a crash is never silent.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+class ChildFailed(RuntimeError):
+    """A child exited, or did not become ready in time; the message quotes its log."""
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file, or a note that there is none."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class ManagedProcess:
+    """One child process with its own log file.
+
+    The owner must call :meth:`stop` (or use it as a context manager); stopping is
+    idempotent. Not thread-safe: one owner drives it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ if env is None else env),
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def failure(self, why: str) -> ChildFailed:
+        return ChildFailed(
+            f"{self.name} (pid {self.pid}) {why}; last lines of "
+            f"{self.log_path}:\n{tail(self.log_path)}"
+        )
+
+    def wait_http_ok(self, url: str, timeout: float, progress_every: float = 0.0) -> float:
+        """Poll ``url`` until it answers 200; return the seconds it took.
+
+        Raises :class:`ChildFailed` if the child exits first or ``timeout`` passes. With
+        ``progress_every`` > 0, prints a line to stderr that often, so a long start-up is
+        visibly alive.
+        """
+        start = time.monotonic()
+        next_note = start + progress_every
+        while True:
+            if not self.alive():
+                raise self.failure(f"exited with code {self.process.returncode} before ready")
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    if response.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            now = time.monotonic()
+            if now - start > timeout:
+                raise self.failure(f"not ready at {url} after {timeout:.0f} s")
+            if progress_every and now >= next_note:
+                print(
+                    f"[banaserve] waiting for {self.name}: {now - start:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                next_note = now + progress_every
+            time.sleep(0.5)
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds."""
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.process.wait(timeout=grace)
+        # Children of the child may outlive it in the same group: make sure they go too.
+        self._signal_group(signal.SIGKILL)
+        if not self._log.closed:
+            self._log.close()
+        return self.process.returncode
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,71 @@
+"""The launcher's command line and CPU defaults, without starting a server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from banaserve.launch_server import plan_launch
+from banaserve.server import kv_pool_sizing
+
+
+def test_unknown_flag_fails_with_usage() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "banaserve.launch_server", "--model-path", "x", "--bogus-flag"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "usage: python -m banaserve.launch_server" in run.stderr
+    assert "unrecognized arguments: --bogus-flag" in run.stderr
+
+
+def test_help_lists_sglang_and_banaserve_flags() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "banaserve.launch_server", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0
+    assert "--model-path" in run.stdout and "--kv-pool-memory-fraction" in run.stdout
+
+
+def test_cpu_defaults_added_and_user_flags_kept(tiny_model: Path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("BANASERVE_PLATFORM", "cpu")
+    plan = plan_launch(["--model-path", str(tiny_model), "--port", "1234"])
+    argv = plan.sglang_argv
+    assert argv[:4] == ["--model-path", str(tiny_model), "--port", "1234"]
+    assert argv[argv.index("--device") + 1] == "cpu"
+    assert "--sleep-on-idle" in argv and "--enable-metrics" in argv
+    tokens = int(argv[argv.index("--max-total-tokens") + 1])
+    assert kv_pool_sizing.MIN_TOKENS <= tokens <= kv_pool_sizing.MAX_TOKENS
+    assert argv[argv.index("--served-model-name") + 1] == tiny_model.name
+
+    plan = plan_launch(
+        ["--model-path", str(tiny_model), "--device", "cpu", "--max-total-tokens", "999",
+         "--served-model-name", "mine", "--kv-pool-memory-fraction", "0.5"]
+    )  # fmt: skip
+    argv = plan.sglang_argv
+    assert argv.count("--device") == 1 and argv.count("--max-total-tokens") == 1
+    assert "--kv-pool-memory-fraction" not in argv  # BanaServe's own flags stay with us
+    assert plan.served_names[0] == "mine"
+
+
+def test_no_cpu_defaults_on_gpu(tiny_model: Path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("BANASERVE_PLATFORM", "cuda")
+    argv = plan_launch(["--model-path", str(tiny_model)]).sglang_argv
+    assert "--device" not in argv and "--sleep-on-idle" not in argv
+    assert "--max-total-tokens" not in argv
+
+
+def test_kv_pool_sized_from_memory(tiny_model: Path) -> None:
+    per_token = kv_pool_sizing.kv_bytes_per_token(tiny_model)
+    size = kv_pool_sizing.size_kv_pool(tiny_model, 0.1, available=per_token * 100_000)
+    assert size.tokens == 10_000
+    size = kv_pool_sizing.size_kv_pool(tiny_model, 0.1, available=per_token * 100)
+    assert size.tokens == kv_pool_sizing.MIN_TOKENS
+    size = kv_pool_sizing.size_kv_pool(tiny_model, 0.5, available=per_token * 10**9)
+    assert size.tokens == kv_pool_sizing.MAX_TOKENS
+    with pytest.raises(ValueError, match="fraction"):
+        kv_pool_sizing.size_kv_pool(tiny_model, 1.5)

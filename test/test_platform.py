@@ -1,0 +1,119 @@
+"""The CPU platform: SGLang imports and runs on a machine with no NVIDIA driver."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from banaserve.platform import detect, sgl_kernel_fallback
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter, as SGLang's spawned children are: only the .pth hook applies."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
+
+
+needs_no_driver = pytest.mark.skipif(
+    detect.nvidia_driver_present(), reason="checks the CPU platform on a machine with no driver"
+)
+
+
+@needs_no_driver
+def test_fresh_process_gets_cpu_engine_and_kernel_stand_ins() -> None:
+    run = run_python(
+        "import os, sgl_kernel\n"
+        "from sglang.srt.utils.common import is_cpu\n"
+        "from sglang.kernels.ops.kvcache.cache_move import copy_all_layer_kv_cache_func\n"
+        "import torch\n"
+        "print(is_cpu(), os.environ['SGLANG_HOST_IP'], "
+        "hasattr(torch.ops.sgl_kernel, 'assign_req_to_token_pool_cpu'))\n"
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "127.0.0.1", "True"]
+
+
+@needs_no_driver
+def test_user_environment_wins() -> None:
+    run = run_python(
+        "import sglang, os; print(os.environ['SGLANG_HOST_IP'])", SGLANG_HOST_IP="127.0.0.2"
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "127.0.0.2"
+
+
+def test_hook_does_nothing_where_cuda_is_usable() -> None:
+    # BANASERVE_PLATFORM=cuda makes the hook behave as on a GPU machine: sglang and
+    # sgl_kernel load untouched, so on this driverless machine sgl_kernel fails as it
+    # does without BanaServe, and no CPU variables are set.
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_USE_CPU_ENGINE",)}
+    env["BANASERVE_PLATFORM"] = "cuda"
+    run = subprocess.run(
+        [sys.executable, "-c",
+         "import os, sglang\n"
+         "print(os.environ.get('SGLANG_USE_CPU_ENGINE'))\n"
+         "try:\n import sgl_kernel\nexcept ImportError:\n print('ImportError')\n"
+         "else:\n print('loaded', getattr(sgl_kernel, '__banaserve_fallback__', None))\n"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.split()
+    assert lines[0] == "None"
+    assert lines[1] in ("ImportError", "loaded") and "fallback" not in run.stdout
+
+
+def test_platform_choice_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(detect.PLATFORM_ENV, "cpu")
+    assert detect.cpu_platform_wanted()
+    monkeypatch.setenv(detect.PLATFORM_ENV, "cuda")
+    assert not detect.cpu_platform_wanted()
+    monkeypatch.setenv(detect.PLATFORM_ENV, "tpu")
+    with pytest.raises(ValueError, match="BANASERVE_PLATFORM"):
+        detect.cpu_platform_wanted()
+
+
+def test_copy_all_layer_kv_cache_matches_row_copies() -> None:
+    generator = torch.Generator().manual_seed(1)
+    buffers = [torch.randn(32, 8, 4, generator=generator) for _ in range(3)]
+    buffers.append(torch.randn(32, 6, generator=generator).to(torch.bfloat16))
+    expected = [b.clone() for b in buffers]
+    src = torch.tensor([3, 7, 9, 30])
+    tgt = torch.tensor([7, 20, 3, 0])  # overlaps the sources: 3 and 7 are read and written
+    for e in expected:
+        e[tgt] = e[src].clone()
+    ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    strides = torch.tensor([b[0].numel() * b.element_size() for b in buffers])
+    sgl_kernel_fallback.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt, src)
+    for got, want in zip(buffers, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_assign_req_to_token_pool_matches_contract() -> None:
+    req_to_token = torch.zeros(4, 16, dtype=torch.int32)
+    out_cache_loc = torch.arange(100, 100 + 9, dtype=torch.int64)
+    sgl_kernel_fallback.assign_req_to_token_pool_cpu(
+        torch.tensor([2, 0]),
+        req_to_token,
+        torch.tensor([3, 0]),
+        torch.tensor([8, 4]),
+        out_cache_loc,
+        16,
+    )
+    assert req_to_token[2, 3:8].tolist() == [100, 101, 102, 103, 104]
+    assert req_to_token[0, 0:4].tolist() == [105, 106, 107, 108]
+    assert req_to_token.sum().item() == sum(range(100, 109))
+
+
+def test_speculative_stand_ins_explain_themselves() -> None:
+    op = sgl_kernel_fallback._unavailable("verify_tree_greedy_cpu")
+    with pytest.raises(NotImplementedError, match="Speculative decoding is not supported"):
+        op()
