@@ -71,7 +71,11 @@ def add_openai_request_guard(served_names: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="[banaserve] %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[banaserve] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # SGLang configures the root logger with its own format
     plan = plan_launch(list(sys.argv[1:] if argv is None else argv))
     for note in plan.notes:
         logger.info(note)
