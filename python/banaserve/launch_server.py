@@ -12,11 +12,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from banaserve.platform import cpu_platform_wanted, install
-from banaserve.server.cli import LaunchConfig, build_parser, split_banaserve_args
+from banaserve.server.cli import (
+    KvStoreOptions,
+    LaunchConfig,
+    build_parser,
+    split_banaserve_args,
+)
 from banaserve.server.kv_pool_sizing import size_kv_pool
+from banaserve.utils.processes import ManagedProcess
 
 # The .pth file normally installed the hook already; this covers running from a source tree,
 # and SGLang's spawned children, which import this module as their __mp_main__. No sglang
@@ -25,12 +32,22 @@ install()
 
 logger = logging.getLogger("banaserve.launch_server")
 
+KV_STORE_PAGE_SIZE = 16
+
 
 def plan_launch(argv: list[str]) -> LaunchConfig:
     """Validate ``argv`` and decide the SGLang argv; may convert the default model (slow)."""
-    args = build_parser().parse_args(argv)  # exits with usage text on a bad flag
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits with usage text on a bad flag
     ours, sglang_argv = split_banaserve_args(argv)
     notes: list[str] = []
+    try:
+        kv_store = KvStoreOptions.from_args(ours)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if kv_store is not None and args.page_size is None:
+        # One store key per token would cost a hash and a round trip per token.
+        sglang_argv += ["--page-size", str(KV_STORE_PAGE_SIZE)]
 
     model_path = args.model_path
     if model_path is None:
@@ -59,7 +76,26 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
                 f" GiB of {size.available_bytes / 2**30:.1f} GiB available)"
             )
         notes.append("no NVIDIA driver: SGLang CPU engine")
-    return LaunchConfig(sglang_argv, [served_name, model_path], notes)
+    return LaunchConfig(sglang_argv, [served_name, model_path], notes, kv_store)
+
+
+def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, list[str]]:
+    """Start the embedded shard if asked; return it and the SGLang flags that attach to the
+    store. The token reaches SGLang's children through the environment, not the argv."""
+    from banaserve.kvstore.embedded import TOKEN_ENV, start_embedded_store
+    from banaserve.sglang_ext.kvstore_backend import hicache_args
+
+    process = None
+    urls, token = options.urls, options.token or os.environ.get(TOKEN_ENV)
+    if options.embedded:
+        log_dir = Path(tempfile.mkdtemp(prefix="banaserve-kvstore-"))
+        process, url, token = start_embedded_store(options.capacity_gb, token, log_dir)
+        urls = [url]
+        logger.info("embedded KV store at %s (log: %s)", url, process.log_path)
+    if token:
+        os.environ[TOKEN_ENV] = token
+    logger.info("KV store: %s, replication %d", ", ".join(urls), options.replication)
+    return process, hicache_args(urls, options.replication, options.tenant)
 
 
 def add_openai_request_guard(served_names: list[str]) -> None:
@@ -86,11 +122,18 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     load_plugins()
-    server_args = prepare_server_args(plan.sglang_argv)
-    add_openai_request_guard(plan.served_names)
+    store_process = None
     try:
+        sglang_argv = plan.sglang_argv
+        if plan.kv_store is not None:
+            store_process, store_args = attach_kv_store(plan.kv_store)
+            sglang_argv = sglang_argv + store_args
+        server_args = prepare_server_args(sglang_argv)
+        add_openai_request_guard(plan.served_names)
         run_server(server_args)
     finally:
+        if store_process is not None:
+            store_process.stop()
         kill_process_tree(os.getpid(), include_parent=False)
 
 

@@ -2,8 +2,9 @@
 
 It is installed by ``banaserve_platform.pth`` at interpreter start, so it reaches the
 scheduler and detokenizer processes SGLang spawns without editing SGLang's files. It costs
-one dict lookup per import until ``sglang`` or ``sgl_kernel`` is imported, and does nothing
-at all where CUDA is usable.
+one set lookup per import, and does nothing at all where CUDA is usable. Besides
+``sgl_kernel`` (see :mod:`banaserve.platform.sgl_kernel_fallback`) it patches a few SGLang
+modules right after they execute (see :mod:`banaserve.platform.hicache_cpu`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from banaserve.platform.detect import cpu_platform_wanted
 from banaserve.platform.environment import apply_cpu_environment
+from banaserve.platform.hicache_cpu import POST_IMPORT_PATCHES
 
-_WATCHED = frozenset({"sglang", "sgl_kernel"})
+_WATCHED = frozenset({"sglang", "sgl_kernel", *POST_IMPORT_PATCHES})
 
 
 class _TolerantLoader(importlib.abc.Loader):
@@ -38,6 +40,21 @@ class _TolerantLoader(importlib.abc.Loader):
             sgl_kernel_fallback.install(module, exc)
 
 
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then a patch on the executed module."""
+
+    def __init__(self, real: importlib.abc.Loader, patch: Callable[[types.ModuleType], None]):
+        self._real = real
+        self._patch = patch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._real.exec_module(module)
+        self._patch(module)
+
+
 class CpuPlatformFinder(importlib.abc.MetaPathFinder):
     """Meta-path finder that prepares ``sglang`` and ``sgl_kernel`` imports for the CPU."""
 
@@ -56,7 +73,10 @@ class CpuPlatformFinder(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _TolerantLoader(spec.loader)
+        if fullname == "sgl_kernel":
+            spec.loader = _TolerantLoader(spec.loader)
+        else:
+            spec.loader = _PatchingLoader(spec.loader, POST_IMPORT_PATCHES[fullname])
         return spec
 
 

@@ -21,6 +21,40 @@ class LaunchConfig:
     sglang_argv: list[str]
     served_names: list[str]
     notes: list[str] = field(default_factory=list)
+    kv_store: KvStoreOptions | None = None
+
+
+@dataclass(frozen=True)
+class KvStoreOptions:
+    """``--kv-store*`` flags: shard URLs, or ``embedded`` (start one shard here)."""
+
+    urls: list[str]
+    embedded: bool
+    token: str | None
+    replication: int
+    capacity_gb: float
+    tenant: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> KvStoreOptions | None:
+        if not args.kv_store:
+            return None
+        embedded = args.kv_store.strip() == "embedded"
+        urls = [] if embedded else [u.strip() for u in args.kv_store.split(",") if u.strip()]
+        for url in urls:
+            if "://" not in url:
+                raise ValueError(f"--kv-store: {url!r} is not a URL like tcp://host:port")
+        if args.kv_store_replication < 1:
+            raise ValueError("--kv-store-replication must be at least 1")
+        if not embedded and args.kv_store_replication > len(urls):
+            raise ValueError(
+                f"--kv-store-replication {args.kv_store_replication} needs at least as many "
+                f"shards, got {len(urls)}"
+            )
+        return cls(
+            urls, embedded, args.kv_store_token, args.kv_store_replication,
+            args.kv_store_capacity_gb, args.kv_store_tenant,
+        )  # fmt: skip
 
 
 def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +71,37 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="On the CPU, do not add BanaServe's defaults (--device cpu, --sleep-on-idle, a KV "
         "pool sized from free memory).",
+    )
+    store = parser.add_argument_group("BanaServe KV store")
+    store.add_argument(
+        "--kv-store",
+        metavar="URL[,URL...]|embedded",
+        default=None,
+        help="Attach this server to the Global KV Cache Store: a comma-separated list of shard "
+        "URLs (tcp://, shm://, ucx://), or 'embedded' to start one shard for this server.",
+    )
+    store.add_argument(
+        "--kv-store-token",
+        default=None,
+        help="Shared token of the store (default: $BANASERVE_KV_STORE_TOKEN; with 'embedded', "
+        "a random one).",
+    )
+    store.add_argument(
+        "--kv-store-replication",
+        type=int,
+        default=1,
+        help="Copies of each page across shards (default: 1).",
+    )
+    store.add_argument(
+        "--kv-store-capacity-gb",
+        type=float,
+        default=2.0,
+        help="RAM of the embedded store shard in GiB (default: 2).",
+    )
+    store.add_argument(
+        "--kv-store-tenant",
+        default="",
+        help="Tenant name: instances of different tenants never share pages.",
     )
 
 

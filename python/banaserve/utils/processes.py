@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the usual race applies)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 class ChildFailed(RuntimeError):
@@ -103,6 +111,22 @@ class ManagedProcess:
                 )
                 next_note = now + progress_every
             time.sleep(0.5)
+
+    def wait_tcp_open(self, host: str, port: int, timeout: float) -> float:
+        """Wait until ``host:port`` accepts a connection; raise :class:`ChildFailed` if the
+        child exits first or ``timeout`` passes. Returns the seconds it took."""
+        start = time.monotonic()
+        while True:
+            if not self.alive():
+                raise self.failure(f"exited with code {self.process.returncode} before ready")
+            try:
+                with socket.create_connection((host, port), timeout=1):
+                    return time.monotonic() - start
+            except OSError:
+                pass
+            if time.monotonic() - start > timeout:
+                raise self.failure(f"not listening on {host}:{port} after {timeout:.0f} s")
+            time.sleep(0.2)
 
     def stop(self, grace: float = 15.0) -> int | None:
         """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds."""

@@ -1,0 +1,1 @@
+"""Global KV Cache Store: content-addressed KV pages shared by every instance."""

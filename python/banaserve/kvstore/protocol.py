@@ -1,0 +1,467 @@
+"""The KV store wire protocol: a fixed binary header, a msgpack control map, raw payload bytes.
+
+Frame layout (little endian)::
+
+    magic "BKVS" | version u16 | op u16 | request id u64 | control length u32 | payload length u64
+    control: ``control length`` bytes of msgpack (a map with str keys)
+    payload: ``payload length`` raw bytes (page bytes, concatenated in key order)
+
+A reply carries the request's op with :data:`REPLY_BIT` set and the same request id, or
+:attr:`Op.ERROR`. Every length is checked against :class:`Limits` before anything is allocated,
+and a control map is checked against its op's schema (types, 32-byte keys, list lengths, and the
+payload length it implies) before the payload is read. So a peer learns how many bytes to
+expect, and where they go, from a control map that is already known to be well formed.
+
+Everything here is pure (bytes in, values or :class:`ProtocolError` out), so it can be fuzzed;
+the server, the transports and :class:`FrameDecoder` all validate through the same functions.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from banaserve.kvstore.keys import KEY_BYTES
+
+MAGIC = b"BKVS"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sHHQIQ")
+HEADER_BYTES = HEADER.size
+REPLY_BIT = 0x80
+
+MAX_CONTROL_BYTES = 1 << 20
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+#: Keys per frame; a client splits bigger batches. 16384 keys stay far below the control limit.
+MAX_KEYS_PER_FRAME = 16384
+#: Longest shared-memory segment name accepted (POSIX allows 255 with the leading slash).
+MAX_SHM_NAME = 200
+
+#: GET reply size of a key that is missing (or not of the requested length).
+MISSING = -1
+
+
+class Op(enum.IntEnum):
+    """Operations, with their control maps (request -> reply). Keys are 32-byte bins.
+
+    HELLO       {version, token: str|nil, shm?: {name, size}} -> {version, server, max_payload,
+                shm: bool}. The first frame of every connection; a wrong token is an AUTH error.
+    SHM_ATTACH  {name, size} -> {size}: replace this connection's shared-memory segment.
+    EXISTS      {keys} -> {present: [bool]}.
+    GET         {keys, lengths: [int], range: [offset, length]|nil, shm?: bool} ->
+                {sizes: [int], shm?: bool} + the found pages' bytes in key order. ``range``
+                applies to every page; a page is sent only if exactly ``lengths[i]`` bytes
+                result, else its size is MISSING.
+    PUT         {keys, sizes: [int], shm?: bool} + sum(sizes) bytes -> {stored: [bool]}.
+    STATS       {} -> {store: StoreStats fields, server: {...}}.
+    ERROR       (reply only) {code: ErrorCode value, message}; the server then closes.
+
+    With ``shm`` true the payload bytes sit at offset 0 of the connection's segment and the
+    header's payload length is 0.
+    """
+
+    HELLO = 1
+    EXISTS = 2
+    GET = 3
+    PUT = 4
+    STATS = 5
+    SHM_ATTACH = 6
+    ERROR = 0xFF
+
+
+REQUEST_OPS = frozenset(op for op in Op if op is not Op.ERROR)
+_REQUEST_VALUES = frozenset(int(op) for op in REQUEST_OPS)
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a server refused a request; carried in an ERROR reply's control map."""
+
+    PROTOCOL = "protocol"  # malformed frame: a client bug or a stranger on the port
+    AUTH = "auth"  # wrong or missing token
+    TOO_LARGE = "too_large"  # a length over the server's limits
+    SHM = "shm"  # the shared-memory segment cannot be used (not the same host?)
+    INTERNAL = "internal"  # the store failed; the request may succeed later
+
+
+class ProtocolError(Exception):
+    """A frame or control map that breaks the protocol. ``code`` is what an ERROR reply says."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds a decoder enforces before allocating anything."""
+
+    max_control: int = MAX_CONTROL_BYTES
+    max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES
+
+
+@dataclass(frozen=True)
+class Header:
+    op: Op
+    request_id: int
+    control_len: int
+    payload_len: int
+    is_reply: bool
+
+
+@dataclass
+class Frame:
+    """A decoded frame. ``op`` is the request op (the reply bit stripped) or ERROR."""
+
+    op: Op
+    request_id: int
+    control: dict[str, Any]
+    payload: bytes
+    is_reply: bool
+
+
+# -- encoding ---------------------------------------------------------------------------------
+
+
+def reply_op(op: Op) -> int:
+    return op if op is Op.ERROR else op | REPLY_BIT
+
+
+def encode_head(
+    op: Op,
+    request_id: int,
+    control: dict[str, Any],
+    payload_len: int = 0,
+    *,
+    reply: bool = False,
+) -> bytes:
+    """Header and control bytes of a frame; the caller sends ``payload_len`` payload bytes after.
+
+    Raises ProtocolError if the control map is over the limit (a caller bug, checked here so
+    that a peer never has to refuse it).
+    """
+    body = msgpack.packb(control, use_bin_type=True)
+    if len(body) > MAX_CONTROL_BYTES:
+        raise ProtocolError(f"control map of {len(body)} bytes over {MAX_CONTROL_BYTES}")
+    wire_op = reply_op(op) if reply else int(op)
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, wire_op, request_id, len(body), payload_len) + body
+
+
+def encode_frame(
+    op: Op, request_id: int, control: dict[str, Any], payload: bytes = b"", *, reply: bool = False
+) -> bytes:
+    """A whole frame in one ``bytes`` (tests and small messages; data paths send views)."""
+    return encode_head(op, request_id, control, len(payload), reply=reply) + payload
+
+
+def encode_error(request_id: int, code: ErrorCode, message: str) -> bytes:
+    return encode_head(Op.ERROR, request_id, {"code": code.value, "message": message[:4096]})
+
+
+# -- decoding ---------------------------------------------------------------------------------
+
+
+def decode_header(data: bytes | bytearray | memoryview, limits: Limits = Limits()) -> Header:
+    """Parse and bound-check a header (``HEADER_BYTES`` bytes)."""
+    if len(data) != HEADER_BYTES:
+        raise ProtocolError(f"header must be {HEADER_BYTES} bytes, got {len(data)}")
+    magic, version, wire_op, request_id, control_len, payload_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}: not a banaserve kv store frame")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version} not supported (this side speaks {PROTOCOL_VERSION})"
+        )
+    if wire_op == Op.ERROR:
+        op, is_reply = Op.ERROR, True
+    elif wire_op & ~REPLY_BIT in _REQUEST_VALUES:
+        op, is_reply = Op(wire_op & ~REPLY_BIT), bool(wire_op & REPLY_BIT)
+    else:
+        raise ProtocolError(f"unknown op {wire_op}")
+    if control_len > limits.max_control:
+        raise ProtocolError(
+            f"control length {control_len} over the limit {limits.max_control}", ErrorCode.TOO_LARGE
+        )
+    if payload_len > limits.max_payload:
+        raise ProtocolError(
+            f"payload length {payload_len} over the limit {limits.max_payload}", ErrorCode.TOO_LARGE
+        )
+    return Header(op, request_id, control_len, payload_len, is_reply)
+
+
+def unpack_control(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """msgpack bytes -> a map with str keys; anything else is a ProtocolError."""
+    try:
+        value = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            # Bounds on top of the byte limit so a tiny map cannot expand into a huge object.
+            max_bin_len=MAX_CONTROL_BYTES,
+            max_str_len=MAX_CONTROL_BYTES,
+            max_array_len=MAX_KEYS_PER_FRAME,
+            max_map_len=256,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, TypeError ...)
+        raise ProtocolError(f"malformed msgpack control map: {type(exc).__name__}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"control must be a map, got {type(value).__name__}")
+    return value
+
+
+def _field(control: dict[str, Any], name: str, kind: type | tuple[type, ...], op: Op) -> Any:
+    if name not in control:
+        raise ProtocolError(f"{op.name}: missing field {name!r}")
+    value = control[name]
+    # bool is an int in Python; a flag is never a count and a count is never a flag.
+    if isinstance(value, bool) and kind in (int, (int,)):
+        raise ProtocolError(f"{op.name}: field {name!r} must be int, got bool")
+    if not isinstance(value, kind):
+        want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ProtocolError(f"{op.name}: field {name!r} must be {want}, got {type(value).__name__}")
+    return value
+
+
+def _keys(control: dict[str, Any], op: Op) -> list[bytes]:
+    keys = _field(control, "keys", list, op)
+    if len(keys) > MAX_KEYS_PER_FRAME:
+        raise ProtocolError(f"{op.name}: {len(keys)} keys over {MAX_KEYS_PER_FRAME} per frame")
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            what = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
+            raise ProtocolError(f"{op.name}: key {i} must be {KEY_BYTES} bytes, got {what}")
+    return keys
+
+
+def _int_list(control: dict[str, Any], name: str, n: int, lo: int, op: Op) -> list[int]:
+    values = _field(control, name, list, op)
+    if len(values) != n:
+        raise ProtocolError(f"{op.name}: {name!r} has {len(values)} entries for {n} keys")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ProtocolError(f"{op.name}: {name!r} entries must be ints >= {lo}, got {v!r}")
+    return values
+
+
+def _bool_list(control: dict[str, Any], name: str, op: Op) -> list[bool]:
+    values = _field(control, name, list, op)
+    if not all(isinstance(v, bool) for v in values):
+        raise ProtocolError(f"{op.name}: {name!r} entries must be bools")
+    return values
+
+
+def _flag(control: dict[str, Any], name: str, op: Op) -> bool:
+    return bool(_field(control, name, bool, op)) if name in control else False
+
+
+def payload_bytes(op: Op, control: dict[str, Any], *, reply: bool) -> int:
+    """Payload bytes a validated control map implies, wherever they travel (socket or shm).
+
+    A PUT request carries ``sum(sizes)``; a GET reply carries the sum of the sizes of the keys
+    it found. Every other frame carries none.
+    """
+    if op is Op.PUT and not reply:
+        return sum(control["sizes"])
+    if op is Op.GET and reply:
+        return sum(s for s in control["sizes"] if s > 0)
+    return 0
+
+
+def _no_payload(op: Op, payload_len: int) -> None:
+    if payload_len:
+        raise ProtocolError(f"{op.name} carries no payload, header declares {payload_len} bytes")
+
+
+def _payload_matches(op: Op, payload_len: int, declared: int, in_shm: bool) -> None:
+    expected = 0 if in_shm else declared
+    if payload_len != expected:
+        where = " (the bytes are in shared memory)" if in_shm else ""
+        raise ProtocolError(
+            f"{op.name}: header declares {payload_len} payload bytes, control {expected}{where}"
+        )
+
+
+def validate_request(
+    header: Header, control: dict[str, Any], limits: Limits = Limits()
+) -> dict[str, Any]:
+    """Check a request's control map against its op's schema and the header's payload length.
+
+    Returns ``control`` unchanged. After this returns, every key is 32 bytes, every list has
+    one entry per key, and the payload length is exactly what the control map implies.
+    """
+    op = header.op
+    if header.is_reply:
+        raise ProtocolError(f"expected a request, got a reply ({op.name})")
+    if op is Op.HELLO:
+        _no_payload(op, header.payload_len)
+        _field(control, "version", int, op)
+        token = control.get("token")
+        if token is not None and not isinstance(token, str):
+            raise ProtocolError("HELLO: field 'token' must be str or nil")
+        if control.get("shm") is not None:
+            _shm_spec(_field(control, "shm", dict, op), op, limits)
+    elif op is Op.SHM_ATTACH:
+        _no_payload(op, header.payload_len)
+        _shm_spec(control, op, limits)
+    elif op is Op.EXISTS:
+        _no_payload(op, header.payload_len)
+        _keys(control, op)
+    elif op is Op.GET:
+        _no_payload(op, header.payload_len)
+        keys = _keys(control, op)
+        lengths = _int_list(control, "lengths", len(keys), 0, op)
+        byte_range = control.get("range")
+        if byte_range is not None:
+            if (
+                not isinstance(byte_range, list)
+                or len(byte_range) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in byte_range)
+                or byte_range[0] < 0
+                or byte_range[1] <= 0
+            ):
+                raise ProtocolError(
+                    f"GET: 'range' must be [offset >= 0, length > 0], got {byte_range!r}"
+                )
+        _flag(control, "shm", op)
+        if sum(lengths) > limits.max_payload:
+            raise ProtocolError(
+                f"GET of {sum(lengths)} bytes over the payload limit {limits.max_payload}",
+                ErrorCode.TOO_LARGE,
+            )
+    elif op is Op.PUT:
+        keys = _keys(control, op)
+        sizes = _int_list(control, "sizes", len(keys), 0, op)
+        total = sum(sizes)
+        if total > limits.max_payload:
+            raise ProtocolError(
+                f"PUT of {total} bytes over the payload limit {limits.max_payload}",
+                ErrorCode.TOO_LARGE,
+            )
+        _payload_matches(op, header.payload_len, total, _flag(control, "shm", op))
+    elif op is Op.STATS:
+        _no_payload(op, header.payload_len)
+    else:  # pragma: no cover - decode_header only lets known ops through
+        raise ProtocolError(f"unknown op {op}")
+    return control
+
+
+def _shm_spec(spec: dict[str, Any], op: Op, limits: Limits) -> None:
+    name = _field(spec, "name", str, op)
+    size = _field(spec, "size", int, op)
+    if not name or len(name) > MAX_SHM_NAME or "/" in name.lstrip("/"):
+        raise ProtocolError(f"{op.name}: bad shared-memory name {name!r}")
+    if not 0 < size <= limits.max_payload:
+        raise ProtocolError(
+            f"{op.name}: shared-memory size {size} outside (0, {limits.max_payload}]"
+        )
+
+
+def validate_reply(
+    header: Header, control: dict[str, Any], limits: Limits = Limits()
+) -> dict[str, Any]:
+    """Check a reply's control map; the client checks list lengths against its own request."""
+    op = header.op
+    if not header.is_reply:
+        raise ProtocolError(f"expected a reply, got a request ({op.name})")
+    if op is Op.ERROR:
+        _no_payload(op, header.payload_len)
+        _field(control, "code", str, op)
+        _field(control, "message", str, op)
+    elif op is Op.HELLO:
+        _no_payload(op, header.payload_len)
+        _field(control, "version", int, op)
+        _field(control, "max_payload", int, op)
+    elif op is Op.EXISTS:
+        _no_payload(op, header.payload_len)
+        _bool_list(control, "present", op)
+    elif op is Op.GET:
+        sizes = _field(control, "sizes", list, op)
+        _int_list(control, "sizes", len(sizes), MISSING, op)
+        declared = payload_bytes(op, control, reply=True)
+        _payload_matches(op, header.payload_len, declared, _flag(control, "shm", op))
+    elif op is Op.PUT:
+        _no_payload(op, header.payload_len)
+        _bool_list(control, "stored", op)
+    elif op is Op.STATS:
+        _no_payload(op, header.payload_len)
+        _field(control, "store", dict, op)
+        _field(control, "server", dict, op)
+    elif op is Op.SHM_ATTACH:
+        _no_payload(op, header.payload_len)
+    return control
+
+
+class FrameDecoder:
+    """Incremental decoder over a byte stream: feed bytes, take whole validated frames.
+
+    Pure (no I/O), so it can be driven by a fuzzer. ``replies`` chooses which side it decodes.
+    Memory stays bounded: a header is bound-checked before its control map is buffered, and a
+    control map is validated before its payload is buffered. After a ProtocolError the stream
+    cannot be resynchronized; the decoder refuses further input.
+    """
+
+    def __init__(self, *, replies: bool = False, limits: Limits = Limits()) -> None:
+        self.replies = replies
+        self.limits = limits
+        self._buf = bytearray()
+        self._header: Header | None = None
+        self._control: dict[str, Any] | None = None
+        self._failed = False
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        if self._failed:
+            raise ProtocolError("decoder already failed; the connection must be closed")
+        self._buf += data
+        frames: list[Frame] = []
+        try:
+            while (frame := self._next()) is not None:
+                frames.append(frame)
+        except ProtocolError:
+            self._failed = True
+            raise
+        return frames
+
+    @property
+    def pending(self) -> int:
+        """Bytes buffered that do not yet make a whole frame."""
+        return len(self._buf)
+
+    @property
+    def idle(self) -> bool:
+        """True between frames: nothing of a next frame has arrived yet."""
+        return not self._buf and self._header is None
+
+    def _next(self) -> Frame | None:
+        if self._header is None:
+            if len(self._buf) < HEADER_BYTES:
+                return None
+            self._header = decode_header(bytes(self._buf[:HEADER_BYTES]), self.limits)
+            del self._buf[:HEADER_BYTES]
+        header = self._header
+        if self._control is None:
+            if len(self._buf) < header.control_len:
+                return None
+            control = unpack_control(bytes(self._buf[: header.control_len]))
+            validate = validate_reply if self.replies else validate_request
+            self._control = validate(header, control, self.limits)
+            del self._buf[: header.control_len]
+        if len(self._buf) < header.payload_len:
+            return None
+        payload = bytes(self._buf[: header.payload_len])
+        del self._buf[: header.payload_len]
+        frame = Frame(header.op, header.request_id, self._control, payload, header.is_reply)
+        self._header = None
+        self._control = None
+        return frame
+
+
+def decode_frames(data: bytes, *, replies: bool = False, limits: Limits = Limits()) -> list[Frame]:
+    """Every whole frame in ``data``; trailing bytes that do not make a frame are an error."""
+    decoder = FrameDecoder(replies=replies, limits=limits)
+    frames = decoder.feed(data)
+    if not decoder.idle:
+        raise ProtocolError(f"truncated frame: {decoder.pending} bytes left over")
+    return frames

@@ -1,0 +1,1 @@
+"""BanaServe hooks into SGLang: classes SGLang loads by name (storage backends, ...)."""

@@ -1,0 +1,174 @@
+"""SGLang HiCache L3 backend that keeps KV pages in BanaServe's Global KV Cache Store.
+
+Loaded by SGLang through ``--hicache-storage-backend dynamic`` with the zero-copy v1
+interface (``interface_v1: 1``); :func:`hicache_args` builds those flags. Pages move between
+SGLang's host KV pool and the store without an intermediate copy: the host pool's page
+segments (K and V of every layer, layer-major) are the client's source and destination
+buffers, so the bytes on the wire follow :class:`banaserve.kvstore.keys.KvLayout`.
+
+Keys: SGLang chains a SHA-256 over each page's tokens (and every token before it); the store
+key namespaces that hash by model, KV layout, tensor-parallel rank and tenant
+(:func:`banaserve.kvstore.keys.namespaced_key`). A store that is down or misses a page is a
+miss, never an error: SGLang then computes the page itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from banaserve.kvstore.keys import KvLayout, Namespace, namespaced_key
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ENV = "BANASERVE_KV_STORE_TOKEN"
+BACKEND_NAME = "banaserve"
+
+
+def hicache_args(urls: Sequence[str], replication: int = 1, tenant: str = "") -> list[str]:
+    """SGLang flags that attach an instance to the store at ``urls``.
+
+    The token is not among them (it would show in ``ps``): the backend reads it from
+    ``BANASERVE_KV_STORE_TOKEN``, which SGLang's child processes inherit.
+    """
+    extra = {
+        "backend_name": BACKEND_NAME,
+        "module_path": __name__,
+        "class_name": BanaServeKvStore.__name__,
+        "interface_v1": 1,
+        "urls": list(urls),
+        "replication": replication,
+        "tenant": tenant,
+    }
+    return [
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend", "dynamic",
+        "--hicache-storage-backend-extra-config", json.dumps(extra),
+        # Layer-major host pages are what the store's layout (and layer-wise gets) expect.
+        "--hicache-mem-layout", "layer_first",
+        "--hicache-io-backend", "direct",
+    ]  # fmt: skip
+
+
+def _segments(pointers: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
+    """Writable views of raw host-pool memory; valid while SGLang holds those pages for the
+    current transfer (the controller does not free them until the call returns)."""
+    return [
+        memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+        for ptr, size in zip(pointers, sizes, strict=True)
+    ]
+
+
+class BanaServeKvStore(HiCacheStorage):
+    """HiCache storage backed by BanaServe's store; called from SGLang's prefetch and backup
+    threads at once (the client is thread-safe)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any]) -> None:
+        from banaserve.kvstore.client import KvStoreClient
+
+        extra = storage_config.extra_config or {}
+        urls = extra.get("urls")
+        if not urls:
+            raise ValueError("the banaserve HiCache backend needs 'urls' in its extra config")
+        self.config = storage_config
+        self.tenant = str(extra.get("tenant", ""))
+        self.client = KvStoreClient(
+            urls,
+            token=extra.get("token") or os.environ.get(TOKEN_ENV),
+            replication=int(extra.get("replication", 1)),
+        )
+        self._namespace_digest: bytes | None = None
+        self.mem_pool_host: Any = None
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        layout = getattr(mem_pool_host, "layout", None)
+        if layout != "layer_first":
+            raise ValueError(
+                f"the banaserve KV store needs --hicache-mem-layout layer_first, got {layout!r}"
+            )
+        self.layout = KvLayout(
+            num_layers=int(mem_pool_host.layer_num),
+            num_kv_heads=int(mem_pool_host.head_num),
+            head_dim=int(mem_pool_host.head_dim),
+            dtype=str(mem_pool_host.dtype).removeprefix("torch."),
+            page_size=int(mem_pool_host.page_size),
+        )
+        config = self.config
+        model = f"{config.model_name or ''}|tp{config.tp_rank}/{config.tp_size}"
+        model += f"|pp{config.pp_rank}/{config.pp_size}"
+        self._namespace_digest = Namespace(model, self.layout, self.tenant).digest()
+
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        if self._namespace_digest is None:
+            raise RuntimeError("the host KV pool was not registered with the store backend")
+        return [namespaced_key(self._namespace_digest, key) for key in keys]
+
+    def _page_buffers(self, host_indices: Any, pages: int) -> list[list[memoryview]]:
+        pointers, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per_page = len(pointers) // pages
+        views = _segments(pointers, sizes)
+        return [views[i * per_page : (i + 1) * per_page] for i in range(pages)]
+
+    # The zero-copy interface SGLang uses with interface_v1.
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        return self.client.longest_prefix(self._keys(keys))
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: Any,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        if not keys:
+            return []
+        return self.client.get(self._keys(keys), self._page_buffers(host_indices, len(keys)))
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: Any,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        if not keys:
+            return []
+        return self.client.put(self._keys(keys), self._page_buffers(host_indices, len(keys)))
+
+    def exists(self, key: str) -> bool:
+        return self.client.exists(self._keys([key]))[0]
+
+    # The legacy tensor interface: SGLang does not call it with interface_v1; it is abstract
+    # in HiCacheStorage, so it must exist, and it refuses clearly rather than misbehave.
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> None:
+        raise NotImplementedError("the banaserve KV store backend needs interface_v1")
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None):  # noqa: ANN201
+        raise NotImplementedError("the banaserve KV store backend needs interface_v1")
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:  # fmt: skip
+        raise NotImplementedError("the banaserve KV store backend needs interface_v1")
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:  # fmt: skip
+        raise NotImplementedError("the banaserve KV store backend needs interface_v1")
+
+    def clear(self) -> None:
+        logger.info("HiCache clear ignored: the BanaServe store is shared with other instances")
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,475 @@
+"""KV store servers as real processes: round trips over tcp:// and shm://, bad input, auth,
+replication through a killed shard, and restart from the SSD tier."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from banaserve.kvstore.client import KvStoreAuthError, KvStoreClient
+from banaserve.kvstore.keys import KvLayout
+from banaserve.kvstore.protocol import (
+    HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Frame,
+    FrameDecoder,
+    Op,
+    encode_frame,
+)
+from banaserve.kvstore.server import KvStoreServer, ServerConfig
+from banaserve.kvstore.storage import PageStore, TieredStore
+
+PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
+TOKEN = "test-token-123"
+PAGE = 4096
+START_TIMEOUT = 30.0
+
+
+class StoreProcess:
+    """``python -m banaserve.kvstore.server`` in its own session; stopped by PID."""
+
+    def __init__(self, log_dir: Path, *args: str, token: str | None = TOKEN, port: int = 0) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "BANASERVE_KV_STORE_TOKEN"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), env.get("PYTHONPATH")]))
+        if token is not None:
+            env["BANASERVE_KV_STORE_TOKEN"] = token  # the env path; --token is the other one
+        argv = [sys.executable, "-m", "banaserve.kvstore.server", "--port", str(port)]
+        argv += ["--capacity-gb", "0.25", "--log-level", "info", *args]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"store-{time.monotonic_ns()}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                text=True,
+                start_new_session=True,
+            )
+        self.first_line = self._read_line()
+        match = re.search(r"listening on (tcp://[^\s,;]+)", self.first_line)
+        assert match, f"no URL in {self.first_line!r}; log: {self.log_path.read_text()}"
+        self.url = match.group(1)
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def _read_line(self) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT)
+        if not ready:
+            self.kill()
+            raise AssertionError(f"store did not start; log: {self.log_path.read_text()}")
+        return self.proc.stdout.readline()
+
+    @property
+    def shm_url(self) -> str:
+        return self.url.replace("tcp://", "shm://")
+
+    def stop(self) -> tuple[int, str]:
+        """SIGTERM, wait; returns (exit code, the rest of stdout)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        return self.proc.returncode, out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
+    process = StoreProcess(tmp_path_factory.mktemp("kvstore"))
+    try:
+        yield process
+    finally:
+        code, out = process.stop()
+        assert code == 0 and "stopped" in out, out
+
+
+def keys_for(tag: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
+
+
+def pages(n: int, size: int = PAGE, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def url(request: pytest.FixtureRequest, store: StoreProcess) -> str:
+    return store.url if request.param == "tcp" else store.shm_url
+
+
+# -- round trips ------------------------------------------------------------------------------
+
+
+def test_port_zero_prints_the_chosen_port(store: StoreProcess) -> None:
+    assert store.port > 0 and "auth on" in store.first_line
+
+
+def test_put_get_exists_round_trip(url: str) -> None:
+    keys = keys_for(f"round-trip {url}", 12)
+    data = pages(12, seed=1)
+    unknown = keys_for(f"never stored {url}", 2)
+    with KvStoreClient(url, token=TOKEN) as client:
+        assert client.put(keys[:8], data[:8]) == [True] * 8
+        # torch sources, including a dtype numpy lacks
+        sources = [torch.from_numpy(d.copy()).view(torch.bfloat16) for d in data[8:]]
+        assert client.put(keys[8:], sources) == [True] * 4
+        assert client.exists(keys + unknown) == [True] * 12 + [False] * 2
+        assert client.longest_prefix(keys[:5] + unknown + keys[5:]) == 5
+
+        tensors = [torch.full((PAGE // 4,), -1.0) for _ in range(12)]
+        assert client.get(keys, tensors) == [True] * 12
+        for tensor, expected in zip(tensors, data, strict=True):
+            assert bytes(tensor.numpy().view(np.uint8)) == expected.tobytes()
+
+        arrays = [np.zeros((2, PAGE // 8), np.float32) for _ in range(3)]
+        views = [memoryview(bytearray(PAGE)) for _ in range(2)]
+        sentinel = np.full(PAGE, 7, np.uint8)
+        buffers = [*arrays, *views, sentinel]
+        found = client.get([*keys[:5], unknown[0]], buffers)
+        assert found == [True] * 5 + [False]
+        assert all(bytes(b) == d.tobytes() for b, d in zip(buffers[:5], data, strict=False))
+        assert (sentinel == 7).all()  # a miss leaves the buffer untouched
+
+        # a buffer of another size than the page is a miss, not a torn copy
+        wrong = bytearray(PAGE // 2)
+        assert client.get(keys[:1], [wrong]) == [False] and wrong == bytearray(PAGE // 2)
+        assert client.get([], []) == [] and client.exists([]) == []
+
+
+def test_pages_scattered_over_segments(url: str) -> None:
+    """A page given as a list of segments (a layer-first host pool): gathered on put,
+    scattered on get, over both transports, also with a byte range across segments."""
+    keys = keys_for(f"segments {url}", 3)
+    data = pages(3, seed=9)
+    with KvStoreClient(url, token=TOKEN) as client:
+        gathered = [[d[:1000], d[1000:1001], torch.from_numpy(d[1001:].copy())] for d in data]
+        assert client.put(keys, gathered) == [True] * 3
+        whole = [bytearray(PAGE) for _ in keys]
+        assert client.get(keys, whole) == [True] * 3
+        assert [bytes(w) for w in whole] == [d.tobytes() for d in data]
+        scattered = [(np.zeros(3000, np.uint8), bytearray(PAGE - 3000)) for _ in keys]
+        assert client.get(keys, scattered) == [True] * 3
+        for (head, tail), d in zip(scattered, data, strict=True):
+            assert head.tobytes() + bytes(tail) == d.tobytes()
+        ranged = [[bytearray(10), bytearray(6)] for _ in keys]
+        assert client.get(keys, ranged, byte_range=(2995, 16)) == [True] * 3
+        assert [b"".join(r) for r in ranged] == [d[2995:3011].tobytes() for d in data]
+
+
+def test_byte_range_and_layer_range(url: str) -> None:
+    layout = KvLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16", page_size=8)
+    keys = keys_for(f"layers {url}", 6)
+    data = pages(6, layout.page_bytes, seed=2)
+    with KvStoreClient(url, token=TOKEN) as client:
+        assert all(client.put(keys, data))
+        offset, length = layout.layer_range(1, 3)
+        buffers = [torch.empty(length // 2, dtype=torch.float16) for _ in keys]
+        assert client.get_layers(keys, layout, 1, 3, buffers) == [True] * 6
+        for buf, page in zip(buffers, data, strict=True):
+            assert bytes(buf.view(torch.uint8).numpy()) == page[offset : offset + length].tobytes()
+        small = [bytearray(5) for _ in keys]
+        assert client.get(keys, small, byte_range=(100, 5)) == [True] * 6
+        assert [bytes(b) for b in small] == [p[100:105].tobytes() for p in data]
+        past_end = bytearray(b"x" * 64)
+        assert client.get(keys[:1], [past_end], byte_range=(layout.page_bytes - 8, 64)) == [False]
+        assert past_end == b"x" * 64
+        with pytest.raises(ValueError, match="byte_range"):
+            client.get(keys[:1], [bytearray(4)], byte_range=(0, 8))
+
+
+def test_shm_segment_grows_and_is_unlinked(store: StoreProcess) -> None:
+    big = 1 << 20
+    keys = keys_for("big pages", 20)  # 20 MiB: more than the initial 16 MiB segment
+    data = pages(20, big, seed=3)
+    client = KvStoreClient(store.shm_url, token=TOKEN)
+    try:
+        assert client.put(keys, data) == [True] * 20
+        out = [np.empty(big, np.uint8) for _ in keys]
+        assert client.get(keys, out) == [True] * 20
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        transport = client._shards[0]._idle[0]
+        assert transport.segment_bytes >= 20 * big  # type: ignore[attr-defined]
+        name = transport._segment.name  # type: ignore[attr-defined]
+        assert os.path.exists(f"/dev/shm/{name}")
+    finally:
+        client.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_many_threads_and_connections(store: StoreProcess) -> None:
+    errors: list[BaseException] = []
+    shared = KvStoreClient(store.shm_url, token=TOKEN)
+
+    def worker(n: int) -> None:
+        try:
+            own = KvStoreClient(store.url, token=TOKEN) if n % 2 else None
+            client = own or shared
+            keys = keys_for(f"thread {n}", 4)
+            data = pages(4, seed=100 + n)
+            for _ in range(15):
+                assert client.put(keys, data) == [True] * 4
+                out = [bytearray(PAGE) for _ in keys]
+                assert client.get(keys, out) == [True] * 4
+                assert [bytes(o) for o in out] == [d.tobytes() for d in data]
+            if own is not None:
+                own.close()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    shared.close()
+    assert not errors, errors
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def hello(token: str | None = TOKEN) -> bytes:
+    return encode_frame(Op.HELLO, 1, {"version": PROTOCOL_VERSION, "token": token})
+
+
+def header(op: int, control_len: int, payload_len: int, version: int = PROTOCOL_VERSION) -> bytes:
+    return HEADER.pack(MAGIC, version, op, 2, control_len, payload_len)
+
+
+def put_frame(keys: list[bytes], sizes: list[int], payload: bytes) -> bytes:
+    body = msgpack.packb({"keys": keys, "sizes": sizes}, use_bin_type=True)
+    return header(Op.PUT, len(body), len(payload)) + body + payload
+
+
+GOOD = keys_for("bad input victim", 1)[0]
+BAD_INPUT = {
+    "random bytes": (os.urandom(3000), "bad magic"),
+    "http request": (b"GET / HTTP/1.1\r\nHost: kv\r\n\r\n" * 4, "bad magic"),
+    "get before hello": (encode_frame(Op.GET, 1, {"keys": [], "lengths": []}), "must be HELLO"),
+    "truncated hello": (hello()[:-3], "truncated frame"),
+    "truncated header": (hello()[:10], "truncated frame"),
+    "wrong version": (header(Op.HELLO, 0, 0, version=7), "protocol version 7"),
+    "oversized control": (header(Op.HELLO, (1 << 20) + 1, 0), "control length"),
+    "oversized payload": (hello() + header(Op.PUT, 10, 1 << 40), "payload length"),
+    "unknown op": (hello() + header(0x33, 0, 0), "unknown op"),
+    "malformed msgpack": (header(Op.HELLO, 3, 0) + b"\xc1\xc1\xc1", "malformed msgpack"),
+    "wrong types": (hello() + encode_frame(Op.EXISTS, 2, {"keys": "abc"}), "must be list"),
+    "short key in put": (
+        hello() + put_frame([GOOD, b"k" * 31], [4, 4], b"abcdefgh"),
+        "key 1 must be 32 bytes",
+    ),
+    "payload shorter than sizes": (hello() + put_frame([GOOD], [8], b"abcd"), "declares 4"),
+    "put cut short": (hello() + put_frame([GOOD], [8], b"abcdefgh")[:-4], "truncated frame"),
+    "second hello": (hello() + hello(), "HELLO sent twice"),
+    "wrong token": (hello("nope") + put_frame([GOOD], [4], b"abcd"), "authentication failed"),
+}
+
+
+def exchange(url: str, data: bytes) -> list[Frame]:
+    """Send ``data`` on a raw socket, half-close, read until the server closes."""
+    host, port = url.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the server may refuse before reading it all
+        received = bytearray()
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    return FrameDecoder(replies=True).feed(bytes(received))
+
+
+def test_bad_input_closes_only_that_connection(store: StoreProcess) -> None:
+    keys = keys_for("survivor", 4)
+    data = pages(4, seed=4)
+    with KvStoreClient(store.url, token=TOKEN) as bystander:
+        assert all(bystander.put(keys, data))
+        before = bystander.stats()[store.url]
+        for case, (frame, message) in BAD_INPUT.items():
+            replies = exchange(store.url, frame)
+            assert replies, f"{case}: no reply"
+            assert replies[-1].op is Op.ERROR, case
+            assert message in replies[-1].control["message"], (case, replies[-1].control)
+            # the bystander's connection (opened before) is unaffected
+            out = [bytearray(PAGE) for _ in keys]
+            assert bystander.get(keys, out) == [True] * 4, case
+            assert [bytes(o) for o in out] == [d.tobytes() for d in data], case
+        after = bystander.stats()[store.url]
+        assert after["puts"] == before["puts"] and after["ram_pages"] == before["ram_pages"]
+        assert bystander.exists([GOOD]) == [False]  # no PUT took effect, not even in part
+        info = bystander.stats()[store.url]["server"]
+        assert info["refused"] >= len(BAD_INPUT)
+
+
+def test_idle_connections_do_not_block_others(store: StoreProcess) -> None:
+    host, port = store.url.removeprefix("tcp://").rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port))) for _ in range(20)]
+    try:
+        with KvStoreClient(store.url, token=TOKEN) as client:
+            assert client.stats()[store.url]["server"]["connections"] >= 21
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+@pytest.mark.parametrize("token", ["wrong", None])
+def test_wrong_or_missing_token_is_refused(store: StoreProcess, token: str | None) -> None:
+    for url in (store.url, store.shm_url):
+        with pytest.raises(KvStoreAuthError) as info:
+            KvStoreClient(url, token=token)
+        assert (
+            str(info.value) == f"kv store at {url}: authentication failed: wrong or missing token"
+        )
+
+
+# -- in-process server: timeouts and store failures -------------------------------------------
+
+
+class InProcessServer:
+    """A KvStoreServer on an event loop in a background thread (for knobs the CLI lacks)."""
+
+    def __init__(self, store: PageStore, config: ServerConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = KvStoreServer(store, config)
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+        self.url = self.server.url
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+class FailingReads(TieredStore):
+    def get(self, key: bytes) -> bytes | None:
+        raise RuntimeError("disk on fire")
+
+
+def test_no_hello_in_time_is_refused() -> None:
+    server = InProcessServer(TieredStore(1 << 20), ServerConfig(hello_timeout=0.3))
+    try:
+        host, port = server.url.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            start = time.monotonic()
+            received = sock.recv(4096)
+            assert time.monotonic() - start < 3
+        (reply,) = FrameDecoder(replies=True).feed(received)
+        assert reply.op is Op.ERROR and "no HELLO" in reply.control["message"]
+    finally:
+        server.close()
+
+
+def test_store_failure_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:
+    store = FailingReads(1 << 20)
+    server = InProcessServer(store, ServerConfig(token=TOKEN))
+    try:
+        with KvStoreClient(server.url, token=TOKEN) as client:
+            keys, data = keys_for("fire", 2), pages(2, seed=8)
+            assert client.put(keys, data) == [True, True]
+            buf = bytearray(b"z" * PAGE)
+            assert client.get(keys[:1], [buf]) == [False] and buf == b"z" * PAGE
+        assert any("store failure" in r.getMessage() for r in caplog.records)
+    finally:
+        server.close()
+        store.close()
+
+
+# -- replication and restarts ---------------------------------------------------------------
+
+
+def test_replicated_store_survives_a_killed_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(KvStoreClient, "RETRY_AFTER_S", 0.3)
+    a = StoreProcess(tmp_path / "a")
+    b = StoreProcess(tmp_path / "b")
+    try:
+        client = KvStoreClient([a.url, b.shm_url], token=TOKEN, replication=2, timeout=5.0)
+        keys = keys_for("replicated", 32)
+        data = pages(32, seed=5)
+        assert client.put(keys, data) == [True] * 32
+        stats = client.stats()
+        assert all(s["ram_pages"] == 32 for s in stats.values())
+
+        os.kill(a.proc.pid, signal.SIGKILL)
+        a.proc.wait(10)
+        out = [np.zeros(PAGE, np.uint8) for _ in keys]
+        assert client.get(keys, out) == [True] * 32
+        assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+        assert client.exists(keys) == [True] * 32
+        more_keys, more = keys_for("written while down", 8), pages(8, seed=6)
+        assert client.put(more_keys, more) == [True] * 8
+        assert client.get(more_keys, [bytearray(PAGE) for _ in more]) == [True] * 8
+        assert client.stats()[a.url]["up"] is False
+        downs = [r for r in caplog.records if "is down" in r.getMessage()]
+        assert len(downs) == 1 and a.url in downs[0].getMessage()
+
+        # Back on the same port, empty: reads fall through its misses to the other replica.
+        a = StoreProcess(tmp_path / "a2", port=a.port)
+        time.sleep(0.4)
+        out = [np.zeros(PAGE, np.uint8) for _ in keys]
+        assert client.get(keys, out) == [True] * 32
+        assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+        assert any("back up" in r.getMessage() for r in caplog.records)
+        assert client.put(keys[:4], data[:4]) == [True] * 4
+        assert client.stats()[a.url]["ram_pages"] == 4
+        client.close()
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_restart_finds_pages_on_ssd(tmp_path: Path) -> None:
+    ssd = tmp_path / "ssd"
+    keys = keys_for("durable", 10)
+    data = pages(10, seed=7)
+    first = StoreProcess(tmp_path / "logs", "--ssd-dir", str(ssd), "--ssd-capacity-gb", "0.05")
+    try:
+        assert "SSD" in first.first_line
+        with KvStoreClient(first.shm_url, token=TOKEN) as client:
+            assert client.put(keys, data) == [True] * 10
+    finally:
+        code, out = first.stop()
+    assert code == 0 and "stopped" in out
+    second = StoreProcess(tmp_path / "logs", "--ssd-dir", str(ssd), "--ssd-capacity-gb", "0.05")
+    try:
+        with KvStoreClient(second.url, token=TOKEN) as client:
+            out = [bytearray(PAGE) for _ in keys]
+            assert client.get(keys, out) == [True] * 10
+            assert [bytes(o) for o in out] == [d.tobytes() for d in data]
+            assert client.stats()[second.url]["ssd_pages"] == 10
+    finally:
+        second.stop()

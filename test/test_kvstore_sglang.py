@@ -1,0 +1,142 @@
+"""Two SGLang instances share one Global KV Cache Store (two shards, replication 2).
+
+A prefix computed on instance A is a storage hit on instance B, with the same greedy output
+as a plain SGLang server without a store; a shard killed mid-run costs nothing but a miss.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from banaserve.kvstore.client import KvStoreClient
+from banaserve.utils.processes import ManagedProcess, free_port
+from conftest import SERVER_START_TIMEOUT, TEST_KV_TOKENS, Server
+
+TOKEN = "test-token-" + "x" * 8
+MAX_TOKENS = 8
+
+
+@dataclass
+class Cluster:
+    shards: list[ManagedProcess]
+    urls: list[str]
+    a: Server
+    b: Server
+
+
+def start_shard(logs: Path, name: str) -> tuple[ManagedProcess, str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "banaserve.kvstore.server", "--port", str(port),
+            "--capacity-gb", "0.5", "--token", TOKEN]  # fmt: skip
+    process = ManagedProcess(name, argv, logs / f"{name}.log")
+    process.wait_tcp_open("127.0.0.1", port, 60)
+    return process, f"tcp://127.0.0.1:{port}"
+
+
+def start_instance(model: Path, urls: list[str], logs: Path, name: str) -> ManagedProcess:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "banaserve.launch_server",
+        "--model-path", str(model), "--port", str(port),
+        "--max-total-tokens", str(TEST_KV_TOKENS), "--log-level", "warning",
+        "--kv-store", ",".join(urls), "--kv-store-replication", "2",
+        # Wait for storage loads to finish, so the test sees every hit the store can give.
+        "--hicache-storage-prefetch-policy", "wait_complete",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", BANASERVE_KV_STORE_TOKEN=TOKEN)
+    process = ManagedProcess(name, argv, logs / f"{name}.log", env=env)
+    process.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return process
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("kvstore-cluster")
+    processes: list[ManagedProcess] = []
+    try:
+        shards = []
+        for i in range(2):
+            process, url = start_shard(logs, f"shard{i}")
+            processes.append(process)
+            shards.append((process, url))
+        urls = [url for _, url in shards]
+        instances = [start_instance(tiny_model, urls, logs, name) for name in ("a", "b")]
+        processes += instances
+        for instance in instances:
+            instance.wait_http_ok(f"{instance.url}/health", SERVER_START_TIMEOUT)  # type: ignore[attr-defined]
+        a, b = (Server(p, p.url, tiny_model, tiny_model.name) for p in instances)  # type: ignore[attr-defined]
+        yield Cluster([p for p, _ in shards], urls, a, b)
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+def long_prompt(seed: int, words: int = 400) -> str:
+    rng = random.Random(seed)
+    vocab = ["river", "stone", "light", "quiet", "market", "window", "garden", "paper",
+             "engine", "silver", "morning", "forest", "letter", "bridge", "harbour"]  # fmt: skip
+    return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def generate(server: Server, text: str) -> dict:
+    answer = requests.post(
+        f"{server.url}/generate",
+        json={"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_TOKENS}},
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def storage_tokens(result: dict) -> int:
+    details = result["meta_info"].get("cached_tokens_details") or {}
+    return int(details.get("storage") or 0)
+
+
+def wait_for_pages(urls: list[str], at_least: int, timeout: float = 60) -> None:
+    """Instances write to the store in the background; wait until the pages are there."""
+    deadline = time.monotonic() + timeout
+    with KvStoreClient(urls, token=TOKEN) as client:
+        while time.monotonic() < deadline:
+            stats = client.stats()
+            if min(s.get("ram_pages", 0) for s in stats.values() if s) >= at_least:
+                return
+            time.sleep(0.5)
+    raise AssertionError(f"fewer than {at_least} pages reached the store: {stats}")
+
+
+def test_prefix_from_a_is_a_storage_hit_on_b(cluster: Cluster, server: Server) -> None:
+    prompt = long_prompt(seed=1)
+    first = generate(cluster.a, prompt)
+    assert storage_tokens(first) == 0
+    wait_for_pages(cluster.urls, at_least=(first["meta_info"]["prompt_tokens"] // 16) - 1)
+
+    follow_up = prompt + " and then the question is"
+    on_b = generate(cluster.b, follow_up)
+    assert storage_tokens(on_b) >= 16 * ((first["meta_info"]["prompt_tokens"] // 16) - 1)
+    assert on_b["output_ids"] == generate(server, follow_up)["output_ids"]
+    assert first["output_ids"] == generate(server, prompt)["output_ids"]
+
+
+def test_a_killed_shard_costs_nothing(cluster: Cluster, server: Server) -> None:
+    os.kill(cluster.shards[0].pid, signal.SIGKILL)  # no goodbye to the clients
+    cluster.shards[0].process.wait(timeout=10)
+    prompt = long_prompt(seed=2)
+    first = generate(cluster.a, prompt)
+    assert first["output_ids"] == generate(server, prompt)["output_ids"]
+    wait_for_pages(cluster.urls[1:], at_least=(first["meta_info"]["prompt_tokens"] // 16) - 1)
+
+    follow_up = prompt + " so what happened next"
+    on_b = generate(cluster.b, follow_up)
+    assert storage_tokens(on_b) > 0  # served by the surviving replica
+    assert on_b["output_ids"] == generate(server, follow_up)["output_ids"]
