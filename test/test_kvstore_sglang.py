@@ -109,7 +109,10 @@ def wait_for_pages(urls: list[str], at_least: int, timeout: float = 60) -> None:
     with KvStoreClient(urls, token=TOKEN) as client:
         while time.monotonic() < deadline:
             stats = client.stats()
-            if min(s.get("ram_pages", 0) for s in stats.values() if s) >= at_least:
+            if (
+                min((s.get("ram_pages", 0) for s in stats.values() if s.get("up")), default=0)
+                >= at_least
+            ):
                 return
             time.sleep(0.5)
     raise AssertionError(f"fewer than {at_least} pages reached the store: {stats}")
@@ -140,3 +143,46 @@ def test_a_killed_shard_costs_nothing(cluster: Cluster, server: Server) -> None:
     on_b = generate(cluster.b, follow_up)
     assert storage_tokens(on_b) > 0  # served by the surviving replica
     assert on_b["output_ids"] == generate(server, follow_up)["output_ids"]
+
+
+def test_embedded_store_serves_hits_and_stops_with_the_server(
+    tiny_model: Path, server: Server, tmp_path: Path
+) -> None:
+    import psutil
+
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "banaserve.launch_server",
+        "--model-path", str(tiny_model), "--port", str(port),
+        "--max-total-tokens", str(TEST_KV_TOKENS), "--log-level", "warning",
+        "--kv-store", "embedded", "--kv-store-capacity-gb", "0.25",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("BANASERVE_KV_STORE_TOKEN", None)
+    process = ManagedProcess("embedded", argv, tmp_path / "embedded.log", env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        process.wait_http_ok(f"{url}/health", SERVER_START_TIMEOUT)
+        instance = Server(process, url, tiny_model, tiny_model.name)
+        prompt = long_prompt(seed=3)
+        first = generate(instance, prompt)
+        expected_hit = 16 * ((first["meta_info"]["prompt_tokens"] // 16) - 1)
+        # Drop the device and host caches, so a hit can only come from the store; the write
+        # to the store is in the background, so give it a few tries.
+        for _ in range(20):
+            time.sleep(0.5)
+            assert requests.post(f"{url}/flush_cache", timeout=30).status_code == 200
+            again = generate(instance, prompt)
+            if storage_tokens(again) >= expected_hit:
+                break
+        assert storage_tokens(again) >= expected_hit
+        assert again["output_ids"] == first["output_ids"] == generate(server, prompt)["output_ids"]
+
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert any("banaserve.kvstore.server" in " ".join(c.cmdline()) for c in children)
+        process.process.send_signal(signal.SIGTERM)
+        process.process.wait(timeout=60)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"left running after SIGTERM: {[c.cmdline() for c in alive]}"
+    finally:
+        process.stop()

@@ -45,9 +45,14 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
         kv_store = KvStoreOptions.from_args(ours)
     except ValueError as exc:
         parser.error(str(exc))
-    if kv_store is not None and args.page_size is None:
-        # One store key per token would cost a hash and a round trip per token.
-        sglang_argv += ["--page-size", str(KV_STORE_PAGE_SIZE)]
+    if kv_store is not None:
+        if args.page_size is None:
+            # One store key per token would cost a hash and a round trip per token.
+            sglang_argv += ["--page-size", str(KV_STORE_PAGE_SIZE)]
+        if not any(a.startswith("--hicache-storage-prefetch-policy") for a in argv):
+            # The store makes a prefix computed anywhere loadable here: wait for it rather
+            # than compute it again (a down shard answers at once, as a miss).
+            sglang_argv += ["--hicache-storage-prefetch-policy", "wait_complete"]
 
     model_path = args.model_path
     if model_path is None:
