@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from banaserve.kvstore.client import KvStoreAuthError, KvStoreClient
+from banaserve.kvstore import server as server_module
+from banaserve.kvstore.client import KvStoreAuthError, KvStoreClient, KvStoreRemoteError
 from banaserve.kvstore.keys import KvLayout
 from banaserve.kvstore.protocol import (
     HEADER,
@@ -35,6 +36,8 @@ from banaserve.kvstore.protocol import (
 )
 from banaserve.kvstore.server import KvStoreServer, ServerConfig
 from banaserve.kvstore.storage import PageStore, TieredStore
+from banaserve.kvstore.transport import open_transport, parse_url, shm
+from banaserve.kvstore.transport.tcp import TcpTransport
 
 PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
 TOKEN = "test-token-123"
@@ -220,6 +223,95 @@ def test_shm_segment_grows_and_is_unlinked(store: StoreProcess) -> None:
     finally:
         client.close()
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def _spy_streamed(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Records every pipelined (streamed) shm GET the client copies out."""
+    streamed: list[bool] = []
+    original = shm.ShmTransport._copy_as_ready
+
+    def spy(self: shm.ShmTransport, *args: object) -> None:
+        streamed.append(True)
+        original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shm.ShmTransport, "_copy_as_ready", spy)
+    return streamed
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_shm_get_streams_pages_of_every_size(
+    store: StoreProcess, monkeypatch: pytest.MonkeyPatch, pipeline: bool
+) -> None:
+    if pipeline and not shm.PIPELINE_GET:
+        pytest.skip("pipelined shm GETs are for x86 clients")
+    monkeypatch.setattr(shm, "PIPELINE_GET", pipeline)
+    streamed = _spy_streamed(monkeypatch)
+    # Below, at and above the server's chunk size, and not multiples of anything.
+    sizes = [1, PAGE, server_module.SHM_CHUNK_BYTES, 700_001, 2 << 20, (3 << 20) + 5]
+    keys = keys_for(f"stream {pipeline}", len(sizes))
+    data = [pages(1, size, seed=20 + i)[0] for i, size in enumerate(sizes)]
+    (missing,) = keys_for(f"stream missing {pipeline}", 1)
+    with KvStoreClient(store.shm_url, token=TOKEN) as client:
+        assert client.put(keys, data) == [True] * len(sizes)
+        for _ in range(3):  # the progress word is reset between requests
+            out = [np.zeros(d.nbytes, np.uint8) for d in data]
+            gap = np.full(16, 7, np.uint8)
+            found = client.get([keys[0], missing, *keys[1:]], [out[0], gap, *out[1:]])
+            assert found == [True, False] + [True] * (len(sizes) - 1)
+            assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+            assert (gap == 7).all()
+        ranged = [np.zeros(1 << 20, np.uint8) for _ in keys[-2:]]
+        assert client.get(keys[-2:], ranged, byte_range=(3, 1 << 20)) == [True, True]
+        assert all(
+            np.array_equal(r, d[3 : 3 + (1 << 20)]) for r, d in zip(ranged, data[-2:], strict=True)
+        )
+    assert bool(streamed) is pipeline
+
+
+@pytest.mark.parametrize(
+    "progress, message",
+    [
+        (3, "not an aligned word"),
+        (-8, "not an aligned word"),
+        (1 << 40, "not an aligned word"),
+        (True, "must be an int offset"),
+        ("8", "must be an int offset"),
+        (0, "over the 0-byte shm segment"),  # the word would overlap the reply
+    ],
+)
+def test_shm_get_bad_progress_is_refused(
+    store: StoreProcess, progress: object, message: str
+) -> None:
+    (key,) = keys_for("progress check", 1)
+    with KvStoreClient(store.url, token=TOKEN) as client:
+        assert client.put([key], pages(1, seed=9)) == [True]
+    transport = open_transport(parse_url(store.shm_url), 10.0)
+    try:
+        transport.connect(TOKEN)
+        control = {"keys": [key], "lengths": [PAGE], "shm": True, "progress": progress}
+        with pytest.raises(KvStoreRemoteError, match=message):
+            TcpTransport.request(transport, Op.GET, control)
+    finally:
+        transport.close()
+
+
+def test_shm_get_from_a_server_that_does_not_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that ignores ``progress`` (an older one) answers after writing the pages."""
+    monkeypatch.setattr(server_module, "_progress_offset", lambda value, segment: None)
+    streamed = _spy_streamed(monkeypatch)
+    store = TieredStore(64 << 20)
+    server = InProcessServer(store, ServerConfig(token=TOKEN))
+    try:
+        keys, data = keys_for("no stream", 3), pages(3, 1 << 20, seed=11)
+        with KvStoreClient(server.url.replace("tcp://", "shm://"), token=TOKEN) as client:
+            assert client.put(keys, data) == [True] * 3
+            out = [np.zeros(1 << 20, np.uint8) for _ in keys]
+            assert client.get(keys, out) == [True] * 3
+            assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        assert not streamed
+    finally:
+        server.close()
+        store.close()
 
 
 def test_many_threads_and_connections(store: StoreProcess) -> None:

@@ -307,16 +307,27 @@ class KvStoreServer:
         if control.get("shm"):
             segment = _segment_of(conn)
             total = sum(v.nbytes for v in found)
-            if total > segment.size:
+            progress = _progress_offset(control.get("progress"), segment)
+            room = segment.size if progress is None else progress
+            if total > room:
                 raise ProtocolError(
-                    f"GET reply of {total} bytes over the {segment.size}-byte shm segment",
+                    f"GET reply of {total} bytes over the {room}-byte shm segment",
                     ErrorCode.TOO_LARGE,
                 )
-            offset = 0
-            for view in found:
-                segment.buf[offset : offset + view.nbytes] = view
-                offset += view.nbytes
-            await self._reply(conn, Op.GET, header.request_id, {"sizes": sizes, "shm": True})
+            if progress is None:
+                _copy_pages(segment.buf, found)
+                await self._reply(conn, Op.GET, header.request_id, {"sizes": sizes, "shm": True})
+                return
+            # Pipelined: answer first, then fill the segment chunk by chunk, publishing the
+            # bytes written in the progress word so the client copies out meanwhile.
+            word = segment.buf[progress : progress + 8].cast("Q")
+            try:
+                word[0] = 0
+                reply = {"sizes": sizes, "shm": True, "progress": True}
+                await self._reply(conn, Op.GET, header.request_id, reply)
+                _copy_pages(segment.buf, found, word)
+            finally:
+                word.release()
             return
         head = encode_head(
             Op.GET, header.request_id, {"sizes": sizes}, sum(v.nbytes for v in found), reply=True
@@ -425,6 +436,45 @@ def _attach(name: str) -> shared_memory.SharedMemory:
     with contextlib.suppress(Exception):
         resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
     return segment
+
+
+#: Bytes a pipelined shm GET copies between updates of the progress word.
+SHM_CHUNK_BYTES = 256 << 10
+
+
+def _progress_offset(value: Any, segment: shared_memory.SharedMemory) -> int | None:
+    """A GET's ``progress`` field: None, or an 8-aligned offset of 8 bytes inside the segment."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"GET: 'progress' must be an int offset, got {value!r}")
+    if value < 0 or value % 8 or value + 8 > segment.size:
+        raise ProtocolError(
+            f"GET: progress offset {value} not an aligned word of the {segment.size}-byte segment"
+        )
+    return value
+
+
+def _copy_pages(buf: memoryview, views: list[memoryview], word: memoryview | None = None) -> None:
+    """Copy ``views`` back to back from offset 0 of ``buf``; with ``word``, store in it the
+    bytes copied so far about every :data:`SHM_CHUNK_BYTES` and at the end."""
+    offset = published = 0
+    for view in views:
+        size = view.nbytes
+        if word is None or size <= SHM_CHUNK_BYTES:
+            buf[offset : offset + size] = view
+            offset += size
+        else:
+            for start in range(0, size, SHM_CHUNK_BYTES):
+                piece = view[start : start + SHM_CHUNK_BYTES]
+                buf[offset : offset + piece.nbytes] = piece
+                offset += piece.nbytes
+                word[0] = published = offset
+            continue
+        if word is not None and offset - published >= SHM_CHUNK_BYTES:
+            word[0] = published = offset
+    if word is not None and published != offset:
+        word[0] = offset
 
 
 def _segment_of(conn: _Connection) -> shared_memory.SharedMemory:
