@@ -50,13 +50,15 @@ def fmt_size(n: int) -> str:
 class StoreServer:
     """The store server as a child process in its own session; stopped by PID."""
 
-    def __init__(self, capacity_gb: float) -> None:
+    def __init__(self, capacity_gb: float, ucx: bool) -> None:
         env = dict(os.environ)
         env.pop("BANASERVE_KV_STORE_TOKEN", None)
         path = [str(REPO / "python"), env.get("PYTHONPATH")]
         env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
         argv = [sys.executable, "-m", "banaserve.kvstore.server", "--port", "0"]
         argv += ["--capacity-gb", str(capacity_gb), "--log-level", "warning"]
+        if ucx:
+            argv += ["--ucx-port", "0"]
         self.proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -73,6 +75,8 @@ class StoreServer:
             if not match:
                 raise RuntimeError(f"store server did not start (first line {line!r})")
             self.endpoint = match.group(1)
+            ucx_match = re.search(r"ucx://([^\s,;)]+)", line)
+            self.ucx_endpoint = ucx_match.group(1) if ucx_match else None
         except BaseException:
             self.stop()
             raise
@@ -196,7 +200,10 @@ def main() -> int:
         f"{lat_reps} one-page gets; pid {os.getpid()}, {os.cpu_count()} CPUs",
         flush=True,
     )
-    server = StoreServer(capacity_gb=max(1.0, 2.5 * len(PAGE_SIZES) * batch * 2 / (1 << 30)))
+    server = StoreServer(
+        capacity_gb=max(1.0, 2.5 * len(PAGE_SIZES) * batch * 2 / (1 << 30)),
+        ucx="ucx" in transports and ucx_unavailable() is None,
+    )
     rows: list[Row] = []
     skipped: dict[str, str] = {}
     header = (
@@ -212,7 +219,8 @@ def main() -> int:
                 print(f"{'ucx':<9} {why}", flush=True)
                 continue
             try:
-                client = KvStoreClient(f"{transport}://{server.endpoint}", timeout=60.0)
+                endpoint = server.ucx_endpoint if transport == "ucx" else server.endpoint
+                client = KvStoreClient(f"{transport}://{endpoint}", timeout=60.0)
             except KvStoreError as exc:
                 skipped[transport] = f"skipped: {exc}"
                 print(f"{transport:<9} skipped: {exc}", flush=True)

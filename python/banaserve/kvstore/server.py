@@ -508,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=Limits().max_payload >> 20,
         help="largest payload of one frame, in MiB",
     )
+    parser.add_argument(
+        "--ucx-port",
+        type=int,
+        default=None,
+        help="also serve ucx:// on this port (0: the TCP port + 1); needs banaserve[ucx]",
+    )
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     return parser
 
@@ -543,18 +549,26 @@ async def serve(args: argparse.Namespace) -> None:
         },
     )
     server = KvStoreServer(store, config)
+    ucx = None
     try:
         try:
             await server.start()
         except OSError as exc:
             raise SystemExit(f"kv store cannot listen on {args.host}:{args.port}: {exc}") from None
+        if args.ucx_port is not None:
+            from banaserve.kvstore.ucx_server import start_ucx_listener
+
+            ucx_port = args.ucx_port or server.address.port + 1
+            # Blocks until listening (the first UCX context takes ~0.5 s): keep it off the loop.
+            ucx = await asyncio.to_thread(start_ucx_listener, store, config, args.host, ucx_port)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         ssd = f"SSD {args.ssd_capacity_gb:g} GiB in {args.ssd_dir}" if args.ssd_dir else "no SSD"
         print(
-            f"banaserve kv store listening on {server.url} (shm:// too from this host); "
+            f"banaserve kv store listening on {server.url} (shm:// too from this host"
+            f"{'; ' + ucx.url if ucx is not None else ''}); "
             f"pid {os.getpid()}, RAM {args.capacity_gb:g} GiB, {ssd}, "
             f"auth {'on' if config.token else 'off'}",
             flush=True,
@@ -562,6 +576,8 @@ async def serve(args: argparse.Namespace) -> None:
         await stop.wait()
         logger.info("stopping: closing connections and flushing the store")
     finally:
+        if ucx is not None:
+            await asyncio.to_thread(ucx.close)  # stops its thread, closes its connections
         await server.close()
         store.close()
     print(f"banaserve kv store on {server.url} stopped", flush=True)

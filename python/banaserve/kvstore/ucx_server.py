@@ -1,0 +1,503 @@
+"""The KV store served over ``ucx://``: the same protocol and the same store as the TCP server.
+
+Start it beside a :class:`~banaserve.kvstore.server.KvStoreServer` with
+:func:`start_ucx_listener` (by convention on the TCP port + 1) and stop it with
+:meth:`UcxListenerHandle.close`. Standalone (tests, benchmarks):
+``python -m banaserve.kvstore.ucx_server --port P --capacity-gb N`` (token from
+``$BANASERVE_KV_STORE_TOKEN``).
+
+Threads: one daemon thread owns the UCX worker, the listener and every connection, and also
+calls the store (thread-safe already: the TCP server calls it from a thread pool). It never
+touches an asyncio loop, so the TCP server's loop is not blocked; a slow store call (SSD tier)
+delays only the other ucx:// connections. The thread sleeps in epoll on the worker's event fd
+when idle and wakes at least every 100 ms to notice :meth:`UcxListenerHandle.close`.
+
+Validation is the TCP server's: every header goes through ``decode_header`` against the
+configured :class:`Limits`, HELLO (with the token, compared in constant time) must come first,
+each control map goes through ``validate_request`` before any payload buffer is allocated, a
+PUT's whole payload arrives before the first page is stored. Anything wrong gets an ERROR reply
+and the connection is closed. Wire mapping and tags: see :mod:`banaserve.kvstore.transport.ucx`.
+
+Limits of UCX without endpoint error handling: the server does not learn that a client
+crashed (a client that closes says BYE); such a connection keeps an endpoint and a 28-byte
+receive until the server stops. UCX listens on every interface whatever ``host`` says (ucxx
+cannot bind one address): use a token on a shared network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from banaserve.kvstore.protocol import (
+    HEADER_BYTES,
+    MISSING,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Header,
+    Limits,
+    Op,
+    ProtocolError,
+    decode_header,
+    encode_head,
+    unpack_control,
+    validate_request,
+)
+from banaserve.kvstore.storage.base import PageStore
+from banaserve.kvstore.transport.base import Address
+from banaserve.kvstore.transport.ucx import (
+    CONN_ID_BITS,
+    EPOLL_SLICE_MS,
+    SPIN_POLLS,
+    Kind,
+    as_array,
+    check_request,
+    import_libucxx,
+    new_worker,
+    payload_segments,
+    tag,
+)
+
+if TYPE_CHECKING:
+    from banaserve.kvstore.server import ServerConfig
+
+logger = logging.getLogger("banaserve.kvstore.ucx_server")
+
+#: Seconds an ERROR reply gets to leave before its connection is closed anyway.
+REFUSE_GRACE_S = 1.0
+
+
+@dataclass
+class _Config:
+    """The fields of ``ServerConfig`` this server reads (duck-typed: any object with them)."""
+
+    token: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    hello_timeout: float = 10.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class _Conn:
+    """One client endpoint and where its current frame stands. Touched only by the server
+    thread. Buffers given to UCX stay referenced here (``pending``) until their request is
+    complete."""
+
+    def __init__(self, conn_id: int, ep: Any, hello_deadline: float) -> None:
+        self.id = conn_id
+        self.ep = ep
+        self.authenticated = False
+        self.hello_deadline = hello_deadline
+        self.header_buf = bytearray(HEADER_BYTES)
+        self.header: Header | None = None
+        self.control: dict[str, Any] | None = None
+        self.body: bytearray | None = None
+        self.payload: bytearray | None = None
+        self.recv: list[Any] = []  # receives of the current phase
+        self.sends: list[tuple[Any, Any]] = []  # (request, buffer kept alive)
+        self.bye: Any = None
+        self.bye_buf = bytearray(1)
+        self.closing_deadline: float | None = None  # set once refused: close when sent
+
+    def settled(self) -> bool:
+        """Whether UCX is done with every buffer of this connection (after its close)."""
+        requests = [*self.recv, *(r for r, _ in self.sends), self.bye]
+        return all(r is None or r.completed for r in requests)
+
+
+class UcxListenerHandle:
+    """A running ucx:// listener; :meth:`close` stops it. Made by :func:`start_ucx_listener`."""
+
+    def __init__(self, store: PageStore, config: Any, host: str, port: int) -> None:
+        self.store = store
+        self.config = config
+        self.host = host
+        self._requested_port = port
+        self.address: Address | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._started = time.monotonic()
+        self._counters = {"requests": 0, "bytes_in": 0, "bytes_out": 0, "refused": 0}
+        self._conns: dict[int, _Conn] = {}
+        # Closed connections whose requests UCX has not finished cancelling: their buffers
+        # must outlive the requests (a UCXRequest does not hold its buffer).
+        self._dead: list[_Conn] = []
+        self._thread = threading.Thread(target=self._run, name="kvstore-ucx", daemon=True)
+
+    @property
+    def url(self) -> str:
+        if self.address is None:
+            raise RuntimeError("ucx listener not started")
+        return self.address.url
+
+    @property
+    def port(self) -> int:
+        if self.address is None:
+            raise RuntimeError("ucx listener not started")
+        return self.address.port
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop listening, close every connection, join the thread (at most ``timeout`` s).
+
+        Idempotent; callable from any thread, including an asyncio loop's (it blocks for at
+        most one epoll slice, 100 ms, plus the closing itself).
+        """
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- the server thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            libucxx = import_libucxx()
+            worker = new_worker()
+            incoming: list[int] = []
+            # The callback runs inside progress; endpoints are made after it returns.
+            listener = libucxx.UCXListener.create(
+                worker, self._requested_port, lambda conn_request: incoming.append(conn_request)
+            )
+            self.address = Address("ucx", self.host, listener.port)
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._libucxx, self._worker = libucxx, worker
+        knock_buf = bytearray(8)
+        knock = worker.tag_recv(as_array(knock_buf), libucxx.UCXXTag(tag(0, Kind.KNOCK)))
+        idle = 0
+        try:
+            while not self._stop.is_set():
+                if idle < SPIN_POLLS:
+                    worker.progress()
+                else:
+                    worker.progress_worker_event(epoll_timeout=EPOLL_SLICE_MS)
+                busy = False
+                if knock.completed:  # knocks only prove the client reached us; drain them
+                    knock = worker.tag_recv(
+                        as_array(knock_buf), libucxx.UCXXTag(tag(0, Kind.KNOCK))
+                    )
+                    busy = True
+                while incoming:
+                    self._accept(listener, incoming.pop())
+                    busy = True
+                now = time.monotonic()
+                for conn in list(self._conns.values()):
+                    busy |= self._step(conn, now)
+                if self._dead:
+                    self._dead = [c for c in self._dead if not c.settled()]
+                idle = 0 if busy else idle + 1
+        except Exception:
+            logger.exception("ucx listener failed")
+        finally:
+            for conn in list(self._conns.values()):
+                self._drop(conn)
+            with contextlib.suppress(Exception):
+                worker.cancel_inflight_requests(period=10_000_000, max_attempts=10)
+            self._dead.clear()
+            del listener, knock
+
+    def _accept(self, listener: Any, conn_request: int) -> None:
+        libucxx = self._libucxx
+        try:
+            ep = listener.create_endpoint_from_conn_request(
+                conn_request, endpoint_error_handling=False
+            )
+        except Exception as exc:
+            logger.warning("ucx connection request failed: %s", exc)
+            return
+        conn_id = 0
+        while conn_id == 0 or conn_id in self._conns:
+            conn_id = secrets.randbits(CONN_ID_BITS)
+        conn = _Conn(conn_id, ep, time.monotonic() + self.config.hello_timeout)
+        self._conns[conn_id] = conn
+        id_buf = conn_id.to_bytes(8, "little")
+        handshake = ep.tag_send(as_array(id_buf), libucxx.UCXXTag(tag(0, Kind.HANDSHAKE)))
+        conn.sends.append((handshake, id_buf))
+        conn.bye = ep.tag_recv(as_array(conn.bye_buf), libucxx.UCXXTag(tag(conn_id, Kind.BYE)))
+        self._post_header(conn)
+
+    def _post_header(self, conn: _Conn) -> None:
+        # Zeroed so that a short (malformed) header message cannot replay the previous one.
+        conn.header_buf[:] = bytes(HEADER_BYTES)
+        conn.header = conn.control = None
+        conn.body = conn.payload = None
+        conn.recv = [
+            conn.ep.tag_recv(
+                as_array(conn.header_buf),
+                self._libucxx.UCXXTag(tag(conn.id, Kind.REQUEST_HEADER)),
+            )
+        ]
+
+    def _step(self, conn: _Conn, now: float) -> bool:
+        """Advance ``conn`` as far as its completed requests allow; True if anything moved."""
+        busy = False
+        try:
+            for request, _ in conn.sends:
+                if request.completed:
+                    check_request(request, f"ucx send to {conn.id:x}")
+            if any(r.completed for r, _ in conn.sends):
+                conn.sends = [(r, b) for r, b in conn.sends if not r.completed]
+                busy = True
+            if conn.closing_deadline is not None:
+                if not conn.sends or now > conn.closing_deadline:
+                    self._drop(conn)
+                return busy
+            if conn.bye.completed:
+                self._drop(conn)
+                return True
+            if not conn.authenticated and now > conn.hello_deadline:
+                raise ProtocolError("no HELLO in time")
+            while conn.recv and all(r.completed for r in conn.recv):
+                for r in conn.recv:
+                    check_request(r, f"ucx receive from {conn.id:x}")
+                busy = True
+                self._advance(conn)
+        except ProtocolError as exc:
+            self._counters["refused"] += 1
+            logger.info("closing ucx connection %x: %s", conn.id, exc)
+            self._refuse(conn, exc.code, str(exc))
+        except ConnectionError as exc:
+            logger.debug("ucx connection %x lost: %s", conn.id, exc)
+            self._drop(conn)
+        except Exception as exc:
+            logger.exception("store failed serving ucx connection %x", conn.id)
+            self._refuse(conn, ErrorCode.INTERNAL, f"store failure: {type(exc).__name__}: {exc}")
+        return busy
+
+    def _advance(self, conn: _Conn) -> None:
+        """The current phase's receives are all complete: take the next step of the frame."""
+        limits: Limits = self.config.limits
+        tags = self._libucxx.UCXXTag
+        if conn.header is None:
+            header = decode_header(conn.header_buf, limits)
+            if not conn.authenticated and header.op is not Op.HELLO:
+                raise ProtocolError(f"the first frame must be HELLO, got {header.op.name}")
+            conn.header = header
+            conn.body = bytearray(header.control_len)
+            conn.recv = [
+                conn.ep.tag_recv(as_array(conn.body), tags(tag(conn.id, Kind.REQUEST_CONTROL)))
+            ]
+            return
+        header = conn.header
+        if conn.control is None:
+            assert conn.body is not None
+            conn.control = validate_request(header, unpack_control(conn.body), limits)
+            segments = payload_segments(header.op, conn.control, reply=False)
+            if segments and not conn.control.get("shm"):
+                # Allocated only now: the control map has been checked to declare exactly this.
+                conn.payload = bytearray(header.payload_len)
+                view, offset, recvs = memoryview(conn.payload), 0, []
+                for size in segments:
+                    piece = view[offset : offset + size]
+                    recvs.append(
+                        conn.ep.tag_recv(as_array(piece), tags(tag(conn.id, Kind.REQUEST_PAYLOAD)))
+                    )
+                    offset += size
+                conn.recv = recvs
+                return
+        self._counters["requests"] += 1
+        self._counters["bytes_in"] += HEADER_BYTES + header.control_len + header.payload_len
+        self._dispatch(conn, header, conn.control, conn.payload)
+        self._post_header(conn)
+
+    def _dispatch(
+        self, conn: _Conn, header: Header, control: dict[str, Any], payload: bytearray | None
+    ) -> None:
+        op = header.op
+        if control.get("shm"):
+            raise ProtocolError(f"{op.name}: shared memory is not offered over ucx://")
+        views: list[memoryview] = []
+        if op is Op.HELLO:
+            reply = self._hello(conn, control)
+        elif op is Op.EXISTS:
+            reply = {"present": [self.store.contains(key) for key in control["keys"]]}
+        elif op is Op.GET:
+            found = _read_pages(
+                self.store, control["keys"], control["lengths"], control.get("range")
+            )
+            reply = {"sizes": [MISSING if v is None else v.nbytes for v in found]}
+            views = [v for v in found if v is not None and v.nbytes]
+        elif op is Op.PUT:
+            reply = {"stored": _put_all(self.store, control["keys"], control["sizes"], payload)}
+        elif op is Op.STATS:
+            reply = {"store": asdict(self.store.stats()), "server": self._info()}
+        else:  # SHM_ATTACH: meaningless without a shared segment
+            raise ProtocolError(f"{op.name} is not offered over ucx://")
+        self._send_frame(conn, op, header.request_id, reply, views)
+
+    def _send_frame(
+        self,
+        conn: _Conn,
+        op: Op,
+        request_id: int,
+        control: dict[str, Any],
+        views: list[memoryview],
+        *,
+        reply: bool = True,
+    ) -> None:
+        """Post the frame's sends; their buffers stay referenced in ``conn.sends`` until done
+        (a GET's views pin the stored pages, so an eviction meanwhile cannot free them)."""
+        tags = self._libucxx.UCXXTag
+        head = memoryview(
+            encode_head(op, request_id, control, sum(v.nbytes for v in views), reply=reply)
+        )
+        parts = [
+            (head[:HEADER_BYTES], Kind.REPLY_HEADER),
+            (head[HEADER_BYTES:], Kind.REPLY_CONTROL),
+        ]
+        parts += [(v, Kind.REPLY_PAYLOAD) for v in views]
+        for data, kind in parts:
+            request = conn.ep.tag_send(as_array(data), tags(tag(conn.id, kind)))
+            conn.sends.append((request, data))
+            self._counters["bytes_out"] += data.nbytes
+
+    def _hello(self, conn: _Conn, control: dict[str, Any]) -> dict[str, Any]:
+        if conn.authenticated:
+            raise ProtocolError("HELLO sent twice on one connection")
+        if control["version"] != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"client speaks protocol {control['version']}, server {PROTOCOL_VERSION}"
+            )
+        expected = self.config.token
+        if expected is not None:
+            offered = control.get("token") or ""
+            if not hmac.compare_digest(offered.encode(), expected.encode()):
+                raise ProtocolError("authentication failed: wrong or missing token", ErrorCode.AUTH)
+        if control.get("shm") is not None:
+            raise ProtocolError("HELLO: shared memory is not offered over ucx://", ErrorCode.SHM)
+        conn.authenticated = True
+        return {
+            "version": PROTOCOL_VERSION,
+            "server": "banaserve-kv-store",
+            "max_payload": self.config.limits.max_payload,
+            "shm": False,
+        }
+
+    def _refuse(self, conn: _Conn, code: ErrorCode, message: str) -> None:
+        """Send an ERROR, then close once it has left (or after :data:`REFUSE_GRACE_S`)."""
+        request_id = conn.header.request_id if conn.header is not None else 0
+        try:
+            self._send_frame(
+                conn, Op.ERROR, request_id, {"code": code.value, "message": message[:4096]}, []
+            )
+        except Exception:
+            self._drop(conn)
+            return
+        conn.closing_deadline = time.monotonic() + REFUSE_GRACE_S
+
+    def _drop(self, conn: _Conn) -> None:
+        if self._conns.pop(conn.id, None) is None:
+            return
+        with contextlib.suppress(Exception):
+            conn.ep.close()  # cancels the receives it still has posted
+        self._dead.append(conn)
+
+    def _info(self) -> dict[str, Any]:
+        return {
+            "version": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "url": self.url,
+            "transport": "ucx",
+            "uptime_s": round(time.monotonic() - self._started, 3),
+            "connections": len(self._conns),
+            "max_payload": self.config.limits.max_payload,
+            **self._counters,
+            **self.config.info,
+        }
+
+
+def start_ucx_listener(
+    store: PageStore, config: ServerConfig | Any, host: str, port: int
+) -> UcxListenerHandle:
+    """Serve ``store`` (the caller owns and closes it, after closing the handle) over ucx://.
+
+    ``config``: the TCP server's ``ServerConfig`` (reads ``token``, ``limits``,
+    ``hello_timeout``, ``info``). ``port`` 0 picks a free one (``handle.port``); the convention
+    is the TCP port + 1. ``host`` only names the URL: UCX listens on every interface. Blocks
+    until listening (ucxx start-up, well under a second after the first context); raises
+    KvStoreError when ucxx is missing and OSError/UCX errors when the port cannot be had.
+    """
+    import_libucxx(f"ucx://{host}:{port}")
+    handle = UcxListenerHandle(store, config, host, port)
+    handle._thread.start()
+    handle._ready.wait()
+    if handle._error is not None:
+        raise handle._error
+    return handle
+
+
+# -- store calls (the same as server.py's: a page is sent only at exactly the asked length) ---
+
+
+def _read_pages(
+    store: PageStore, keys: list[bytes], lengths: list[int], byte_range: list[int] | None
+) -> list[memoryview | None]:
+    views: list[memoryview | None] = []
+    for key, length in zip(keys, lengths, strict=True):
+        page = store.get(key)
+        if page is None:
+            views.append(None)
+            continue
+        view = memoryview(page)
+        if byte_range is not None:
+            offset, size = byte_range
+            view = view[offset : offset + size]
+        views.append(view if view.nbytes == length else None)
+    return views
+
+
+def _put_all(
+    store: PageStore, keys: list[bytes], sizes: list[int], payload: bytearray | None
+) -> list[bool]:
+    # Pages become immutable bytes (the store keeps them); the one copy a PUT pays.
+    source = memoryview(payload if payload is not None else b"")
+    stored, offset = [], 0
+    for key, size in zip(keys, sizes, strict=True):
+        stored.append(store.put(key, bytes(source[offset : offset + size])))
+        offset += size
+    return stored
+
+
+# -- standalone command line (tests, benchmarks) ----------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve a RAM store over ucx:// only until SIGTERM/SIGINT; prints the URL when ready."""
+    from banaserve.kvstore.storage.tiered import TieredStore
+
+    parser = argparse.ArgumentParser(prog="python -m banaserve.kvstore.ucx_server")
+    parser.add_argument("--port", type=int, required=True, help="UCX port; 0 picks a free one")
+    parser.add_argument("--host", default="127.0.0.1", help="host named in the URL")
+    parser.add_argument("--capacity-gb", type=float, required=True, help="RAM tier capacity")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    token = os.environ.get("BANASERVE_KV_STORE_TOKEN") or None
+    store = TieredStore(int(args.capacity_gb * (1 << 30)))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    handle = start_ucx_listener(store, _Config(token=token), args.host, args.port)
+    print(f"banaserve kv store listening on {handle.url} pid {os.getpid()}", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        handle.close()
+        store.close()
+
+
+if __name__ == "__main__":
+    main()
