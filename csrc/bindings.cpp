@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <string>
 
+#include "attention/bindings_attention.h"
 #include "attention/merge_attn_states.h"
 #include "common/cuda_info.h"
+#include "transfer/bindings_transfer.h"
 
 namespace py = pybind11;
 using banaserve::Half;
@@ -176,4 +178,7 @@ PYBIND11_MODULE(_C, m) {
         "Enqueue the merge on a CUDA stream. All pointers are device addresses (data_ptr()) of "
         "C-contiguous buffers on `device`; out/lse are caller-allocated outputs; lse buffers are "
         "float32. Returns without synchronizing. Raises RuntimeError without a usable device.");
+
+  banaserve::attention::register_attention(m);  // partial attention
+  banaserve::transfer::register_transfer(m);  // layer-wise transfer pipeline
 }

@@ -7,7 +7,7 @@ the dispatcher finds it in `sys.modules`, and the tensor paths import it only af
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 else:
     Array = TypeVar("Array")
 
-__all__ = ["merge_attn_states"]
+__all__ = ["merge_attn_states", "merge_many"]
 
 
 def merge_attn_states(
@@ -74,6 +74,37 @@ def merge_attn_states(
     if out_a.device.type == "cpu":
         return _merge_cpu_tensors(*tensors)
     raise ValueError(f"merge_attn_states: unsupported device {out_a.device}")
+
+
+def merge_many(partials: Iterable[tuple[Array, Array]]) -> tuple[Array, Array]:
+    """Merge the ``(out, lse)`` partials of any number of disjoint key ranges into one.
+
+    Folds `merge_attn_states` left to right. The merge is commutative and associative up to
+    rounding, so the partials may come in any order (e.g. as the sides of a split finish);
+    a partial with ``lse = -inf`` rows (an empty range) is the identity for those rows.
+
+    Args:
+        partials: at least one ``(out, lse)`` pair, all with the shapes, dtypes, kind and
+            device that `merge_attn_states` accepts together.
+
+    Returns:
+        ``(out, lse)`` for the union of the ranges. With a single partial, that pair itself
+        (not a copy); otherwise newly allocated arrays/tensors owned by the caller.
+
+    Raises:
+        ValueError: no partials, or an item that is not an ``(out, lse)`` pair; and whatever
+            `merge_attn_states` raises for mismatched shapes, dtypes or devices.
+    """
+    merged: tuple[Array, Array] | None = None
+    for i, pair in enumerate(partials):
+        try:
+            out, lse = pair
+        except (TypeError, ValueError):
+            raise ValueError(f"partials[{i}] must be an (out, lse) pair") from None
+        merged = (out, lse) if merged is None else merge_attn_states(*merged, out, lse)
+    if merged is None:
+        raise ValueError("merge_many needs at least one (out, lse) partial")
+    return merged
 
 
 def _check_shapes(

@@ -1,0 +1,136 @@
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "common/cuda_utils.cuh"
+#include "transfer/cuda_copier.h"
+
+namespace banaserve::transfer {
+namespace {
+
+// RAII owners. Destructors ignore errors: they run during teardown (possibly after an error),
+// when there is nobody left to report to.
+struct PinnedFree {
+  void operator()(void* p) const noexcept { cudaFreeHost(p); }
+};
+using PinnedPtr = std::unique_ptr<void, PinnedFree>;
+
+class Stream {
+ public:
+  Stream() { BANASERVE_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  ~Stream() {
+    cudaStreamSynchronize(s_);  // nothing may still be copying into memory we are about to free
+    cudaStreamDestroy(s_);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+class Event {
+ public:
+  Event() { BANASERVE_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+  ~Event() { cudaEventDestroy(e_); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  cudaEvent_t get() const { return e_; }
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+class CudaCopier final : public StageCopier {
+ public:
+  CudaCopier(const PipelineSpec& spec, int device, std::uintptr_t compute_stream)
+      : device_(device), compute_stream_(reinterpret_cast<cudaStream_t>(compute_stream)) {
+    DeviceGuard guard(device_);
+    for (const auto* copies : {&spec.fetch, &spec.store}) {
+      for (const LayerCopy& c : *copies) slot_bytes_ = std::max(slot_bytes_, c.bytes);
+    }
+    // Member order matters for teardown: streams (declared last) are synchronized and destroyed
+    // first, then events, then the pinned ring, so no copy can outlive its buffer.
+    const std::size_t total = slot_bytes_ * static_cast<std::size_t>(spec.depth);
+    if (total > 0) {
+      void* p = nullptr;
+      BANASERVE_CUDA_CHECK(cudaHostAlloc(&p, total, cudaHostAllocDefault));
+      pinned_.reset(p);
+    }
+    const auto depth = static_cast<std::size_t>(spec.depth);
+    fetch_done_ = std::vector<Event>(depth);
+    compute_done_ = std::vector<Event>(depth);
+    store_done_ = std::vector<Event>(depth);
+    fetch_stream_ = std::make_unique<Stream>();
+    store_stream_ = std::make_unique<Stream>();
+  }
+
+  void on_thread_start() override { BANASERVE_CUDA_CHECK(cudaSetDevice(device_)); }
+
+  void fetch(int /*layer*/, int slot, const LayerCopy& c) override {
+    const cudaEvent_t done = fetch_done_[static_cast<std::size_t>(slot)].get();
+    if (c.bytes != 0) {
+      char* staging = slot_ptr(slot);
+      std::memcpy(staging, reinterpret_cast<const void*>(c.src), c.bytes);
+      BANASERVE_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(c.dst), staging, c.bytes,
+                                           cudaMemcpyHostToDevice, fetch_stream_->get()));
+    }
+    BANASERVE_CUDA_CHECK(cudaEventRecord(done, fetch_stream_->get()));
+    // The staging slot is held until the copy out of it has completed.
+    BANASERVE_CUDA_CHECK(cudaEventSynchronize(done));
+  }
+
+  void before_compute(int /*layer*/, int slot) override {
+    DeviceGuard guard(device_);
+    BANASERVE_CUDA_CHECK(cudaStreamWaitEvent(
+        compute_stream_, fetch_done_[static_cast<std::size_t>(slot)].get(), 0));
+  }
+
+  void after_compute(int /*layer*/, int slot) override {
+    DeviceGuard guard(device_);
+    BANASERVE_CUDA_CHECK(
+        cudaEventRecord(compute_done_[static_cast<std::size_t>(slot)].get(), compute_stream_));
+  }
+
+  void store(int /*layer*/, int slot, const LayerCopy& c) override {
+    const auto s = static_cast<std::size_t>(slot);
+    // The device side orders the store after the layer's compute; the host thread only waits
+    // for the copy into staging to land.
+    BANASERVE_CUDA_CHECK(cudaStreamWaitEvent(store_stream_->get(), compute_done_[s].get(), 0));
+    char* staging = slot_ptr(slot);
+    if (c.bytes != 0) {
+      BANASERVE_CUDA_CHECK(cudaMemcpyAsync(staging, reinterpret_cast<const void*>(c.src), c.bytes,
+                                           cudaMemcpyDeviceToHost, store_stream_->get()));
+    }
+    BANASERVE_CUDA_CHECK(cudaEventRecord(store_done_[s].get(), store_stream_->get()));
+    BANASERVE_CUDA_CHECK(cudaEventSynchronize(store_done_[s].get()));
+    if (c.bytes != 0) std::memcpy(reinterpret_cast<void*>(c.dst), staging, c.bytes);
+  }
+
+ private:
+  char* slot_ptr(int slot) const {
+    return static_cast<char*>(pinned_.get()) + slot_bytes_ * static_cast<std::size_t>(slot);
+  }
+
+  int device_;
+  cudaStream_t compute_stream_;  // borrowed from the caller
+  std::size_t slot_bytes_ = 0;
+  PinnedPtr pinned_;
+  std::vector<Event> fetch_done_;
+  std::vector<Event> compute_done_;
+  std::vector<Event> store_done_;
+  std::unique_ptr<Stream> fetch_stream_;
+  std::unique_ptr<Stream> store_stream_;
+};
+
+}  // namespace
+
+std::unique_ptr<StageCopier> make_cuda_copier(const PipelineSpec& spec, int device,
+                                              std::uintptr_t compute_stream) {
+  return std::make_unique<CudaCopier>(spec, device, compute_stream);
+}
+
+}  // namespace banaserve::transfer
