@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import re
 import select
@@ -175,9 +176,9 @@ def bench_one(
 
 
 def ucx_unavailable() -> str | None:
-    try:
-        import ucxx  # noqa: F401
-    except ImportError:
+    # find_spec, not import: importing ucxx loads libucx, which reads its environment then,
+    # before the transport has set its defaults.
+    if importlib.util.find_spec("ucxx") is None:
         return "skipped: ucxx not installed"
     return None
 
