@@ -300,7 +300,7 @@ class KvStoreServer:
         loop = asyncio.get_running_loop()
         byte_range = control.get("range")
         views = await self._in_store(
-            _read_pages, self.store, control["keys"], control["lengths"], byte_range
+            read_pages, self.store, control["keys"], control["lengths"], byte_range
         )
         sizes = [MISSING if v is None else v.nbytes for v in views]
         found = [v for v in views if v is not None]
@@ -393,7 +393,7 @@ def _contains_all(store: PageStore, keys: list[bytes]) -> list[bool]:
     return [store.contains(key) for key in keys]
 
 
-def _read_pages(
+def read_pages(
     store: PageStore, keys: list[bytes], lengths: list[int], byte_range: list[int] | None
 ) -> list[memoryview | None]:
     """The requested bytes of each page, or None if missing or not exactly ``lengths[i]``."""

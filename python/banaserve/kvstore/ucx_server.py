@@ -53,6 +53,7 @@ from banaserve.kvstore.protocol import (
     unpack_control,
     validate_request,
 )
+from banaserve.kvstore.server import read_pages
 from banaserve.kvstore.storage.base import PageStore
 from banaserve.kvstore.transport.base import Address
 from banaserve.kvstore.transport.ucx import (
@@ -324,7 +325,7 @@ class UcxListenerHandle:
         elif op is Op.EXISTS:
             reply = {"present": [self.store.contains(key) for key in control["keys"]]}
         elif op is Op.GET:
-            found = _read_pages(
+            found = read_pages(
                 self.store, control["keys"], control["lengths"], control.get("range")
             )
             reply = {"sizes": [MISSING if v is None else v.nbytes for v in found]}
@@ -438,24 +439,7 @@ def start_ucx_listener(
     return handle
 
 
-# -- store calls (the same as server.py's: a page is sent only at exactly the asked length) ---
-
-
-def _read_pages(
-    store: PageStore, keys: list[bytes], lengths: list[int], byte_range: list[int] | None
-) -> list[memoryview | None]:
-    views: list[memoryview | None] = []
-    for key, length in zip(keys, lengths, strict=True):
-        page = store.get(key)
-        if page is None:
-            views.append(None)
-            continue
-        view = memoryview(page)
-        if byte_range is not None:
-            offset, size = byte_range
-            view = view[offset : offset + size]
-        views.append(view if view.nbytes == length else None)
-    return views
+# -- store calls ------------------------------------------------------------------------------
 
 
 def _put_all(
