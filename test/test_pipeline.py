@@ -280,3 +280,219 @@ def test_cuda_round_trip() -> None:
                 dev[i % depth].mul_(3.0).add_(i)
     for i in range(n):
         np.testing.assert_allclose(out[i], host[i] * 3.0 + i, rtol=1e-6)
+
+
+# --- gated fetch (source_ready / source_failed) ------------------------------------------------
+
+
+def gated_ring(n: int, size: int, depth: int) -> tuple[LayerPipeline, list, list, list]:
+    """Gated ring pipeline whose host sources start as zeros: the reader thread fills them."""
+    host = [np.zeros(size, np.float32) for _ in range(n)]
+    p, dev, out = ring_pipeline(host, depth, gated=True)
+    return p, host, dev, out
+
+
+def test_gated_fetch_waits_for_source_ready() -> None:
+    n, size, depth = 8, 4096, 3
+    ref = random_layers(np.random.default_rng(21), n, size)
+    p, host, dev, out = gated_ring(n, size, depth)
+    assert p.gated
+    ready_ns = [-1] * n
+
+    def reader() -> None:  # models the KV-store reader: bytes land, then source_ready
+        for i in range(n):
+            time.sleep(3e-3)
+            host[i][:] = ref[i]
+            ready_ns[i] = _C.steady_clock_ns()
+            assert p.source_ready(i)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        with p:
+            for i in p.layers():
+                # A fetch that ran before its source was ready would have copied zeros.
+                np.testing.assert_array_equal(dev[i % depth], ref[i])
+                dev[i % depth] += 1.0
+    finally:
+        t.join()
+    ts = p.timestamps()
+    check_order(ts, depth)
+    for i in range(n):
+        assert ts[i, FETCH, START] >= ready_ns[i], f"layer {i} fetched before source_ready"
+        np.testing.assert_array_equal(out[i], ref[i] + np.float32(1.0))
+    # Layer-wise: compute does not wait for the whole source to arrive.
+    assert ts[0, COMPUTE, START] < ready_ns[-1]
+
+
+def test_source_failed_reaches_caller() -> None:
+    n, size = 6, 256
+    ref = random_layers(np.random.default_rng(22), n, size)
+    p, host, dev, out = gated_ring(n, size, 3)
+    computed = []
+
+    def reader() -> None:
+        for i in range(3):
+            host[i][:] = ref[i]
+            p.source_ready(i)
+        time.sleep(5e-3)  # the main thread is blocked in wait_fetched(3) by now (or soon)
+        assert p.source_failed(3, "store read timed out")
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        with pytest.raises(RuntimeError, match="source of layer 3 failed: store read timed out"):
+            with p:
+                for i in p.layers():
+                    computed.append(i)
+    finally:
+        t.join()
+    assert computed == [0, 1, 2]
+    assert not p.source_ready(3)  # after the failure (and close): ignored
+    assert not p.source_failed(4, "late")
+    p.close()  # already reported: quiet
+
+
+def test_source_failed_reported_at_close() -> None:
+    p, host, dev, out = gated_ring(3, 64, 2)
+    p.source_ready(0)
+    p.wait_fetched(0)
+    p.computed(0)
+    assert p.source_failed(1, "gone")
+    with pytest.raises(RuntimeError, match="source of layer 1 failed: gone"):
+        p.close()
+    p.close()
+
+
+def test_gated_misuse_and_shutdown() -> None:
+    p, host, dev, out = gated_ring(3, 64, 2)
+    with pytest.raises(ValueError, match="expected layer 0"):
+        p.source_ready(1)
+    assert p.source_ready(0)
+    with pytest.raises(ValueError, match="expected layer 1"):
+        p.source_ready(0)
+    with pytest.raises(ValueError, match="out of range"):
+        p.source_failed(3, "x")
+    p.close()  # the fetch thread, blocked on layer 1's gate, is woken and joined
+    assert live_threads() == 0
+    assert not p.source_ready(1)  # after close: ignored, no error
+    assert not p.source_failed(1, "x")
+    with LayerPipeline(1) as q:  # not gated
+        assert not q.gated
+        with pytest.raises(ValueError, match="not gated"):
+            q.source_ready(0)
+        with pytest.raises(ValueError, match="not gated"):
+            q.source_failed(0, "x")
+        for _ in q.layers():
+            pass
+
+
+# --- segment lists ----------------------------------------------------------------------------
+
+
+def scatter(rng: np.random.Generator, total: int, pieces: int) -> list[tuple[int, int, int]]:
+    """Split [0, total) into `pieces` runs (odd sizes, one empty) and give each a place in a pool
+    of 2 * total bytes, in shuffled order with gaps: (host offset, pool offset, nbytes)."""
+    cuts = np.sort(rng.choice(np.arange(1, total), pieces - 2, replace=False))
+    bounds = [0, *cuts.tolist(), cuts[-1], total]  # the repeated cut makes one empty segment
+    runs = [(a, b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    order = rng.permutation(len(runs))
+    out, pool_off = [None] * len(runs), 0
+    for k in order:
+        a, n = runs[k]
+        pool_off += int(rng.integers(1, 8))  # gap: pages are not adjacent
+        out[k] = (int(a), pool_off, int(n))
+        pool_off += n
+    assert pool_off <= 2 * total
+    return out
+
+
+def addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_segment_lists_round_trip(depth: int) -> None:
+    n, total = 7, 1237
+    rng = np.random.default_rng(100 + depth)
+    host = [rng.integers(1, 256, total, dtype=np.uint8) for _ in range(n)]
+    pools = [np.zeros(2 * total, np.uint8) for _ in range(depth)]  # scattered "device" pages
+    out = [np.zeros(total, np.uint8) for _ in range(n)]
+    layouts = [scatter(rng, total, 5) for _ in range(n)]
+    # Fetch as buffer pairs, store as raw triples: both entry forms in one pipeline.
+    fetch = [
+        [(host[i][a : a + m], pools[i % depth][o : o + m]) for a, o, m in layouts[i]]
+        for i in range(n)
+    ]
+    store = [
+        [(addr(pools[i % depth]) + o, addr(out[i]) + a, m) for a, o, m in layouts[i]]
+        for i in range(n)
+    ]
+    with LayerPipeline(n, fetch=fetch, store=store, depth=depth) as p:
+        for i in p.layers():
+            pool = pools[i % depth]
+            gathered = np.concatenate([pool[o : o + m] for _, o, m in layouts[i]])
+            np.testing.assert_array_equal(gathered, host[i])
+            for _, o, m in layouts[i]:
+                pool[o : o + m] ^= 0x5A
+    for i in range(n):
+        np.testing.assert_array_equal(out[i], host[i] ^ 0x5A)
+
+
+def test_segment_validation() -> None:
+    a, b = np.ones(8, np.uint8), np.zeros(8, np.uint8)
+    with pytest.raises(ValueError, match=r"fetch\[0\]\[1\]: source has 3 bytes, destination 4"):
+        LayerPipeline(1, fetch=[[(a[:4], b[:4]), (a[4:7], b[4:])]])
+    with pytest.raises(ValueError, match=r"store\[0\]\[0\]: null address"):
+        LayerPipeline(1, store=[[(0, addr(b), 8)]])
+    with pytest.raises(ValueError, match="negative"):
+        LayerPipeline(1, store=[[(addr(a), addr(b), -1)]])
+    with pytest.raises(TypeError, match=r"fetch\[0\]\[0\]"):
+        LayerPipeline(1, fetch=[[a]])
+    with pytest.raises(ValueError, match="pairs for"):
+        LayerPipeline(2, fetch=[[(a, b)]])
+    # An empty segment list is "nothing to copy" for that layer.
+    with LayerPipeline(2, fetch=[[], [(a, b)]]) as p:
+        for _ in p.layers():
+            pass
+    np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.skipif(_C.cuda_device_count() == 0, reason="needs a CUDA device")
+def test_cuda_segments_gated_round_trip() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    n, depth, total = 6, 3, 100_003
+    rng = np.random.default_rng(12)
+    host = [rng.integers(1, 256, total, dtype=np.uint8) for _ in range(n)]
+    pools = [torch.zeros(2 * total, dtype=torch.uint8, device="cuda") for _ in range(depth)]
+    out = [np.zeros(total, np.uint8) for _ in range(n)]
+    layouts = [scatter(rng, total, 9) for _ in range(n)]
+    fetch = [
+        [(host[i][a : a + m], pools[i % depth][o : o + m]) for a, o, m in layouts[i]]
+        for i in range(n)
+    ]
+    store = [
+        [(pools[i % depth][o : o + m], out[i][a : a + m]) for a, o, m in layouts[i]]
+        for i in range(n)
+    ]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        p = LayerPipeline(
+            n,
+            fetch=fetch,
+            store=store,
+            depth=depth,
+            device="cuda:0",
+            stream=stream.cuda_stream,
+            gated=True,
+        )
+        with p:
+            for i in range(n):
+                p.source_ready(i)
+            for i in p.layers():
+                for _, o, m in layouts[i]:
+                    pools[i % depth][o : o + m].bitwise_xor_(0x5A)
+    for i in range(n):
+        np.testing.assert_array_equal(out[i], host[i] ^ 0x5A)

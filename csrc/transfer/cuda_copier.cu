@@ -49,8 +49,10 @@ class CudaCopier final : public StageCopier {
   CudaCopier(const PipelineSpec& spec, int device, std::uintptr_t compute_stream)
       : device_(device), compute_stream_(reinterpret_cast<cudaStream_t>(compute_stream)) {
     DeviceGuard guard(device_);
+    // A slot holds a whole layer (all its segments back to back), so a scattered layer still
+    // needs only depth x max-layer-bytes of pinned memory.
     for (const auto* copies : {&spec.fetch, &spec.store}) {
-      for (const LayerCopy& c : *copies) slot_bytes_ = std::max(slot_bytes_, c.bytes);
+      for (const LayerSegments& l : *copies) slot_bytes_ = std::max(slot_bytes_, total_bytes(l));
     }
     // Member order matters for teardown: streams (declared last) are synchronized and destroyed
     // first, then events, then the pinned ring, so no copy can outlive its buffer.
@@ -70,13 +72,21 @@ class CudaCopier final : public StageCopier {
 
   void on_thread_start() override { BANASERVE_CUDA_CHECK(cudaSetDevice(device_)); }
 
-  void fetch(int /*layer*/, int slot, const LayerCopy& c) override {
+  void fetch(int /*layer*/, int slot, const LayerSegments& segments) override {
     const cudaEvent_t done = fetch_done_[static_cast<std::size_t>(slot)].get();
-    if (c.bytes != 0) {
-      char* staging = slot_ptr(slot);
-      std::memcpy(staging, reinterpret_cast<const void*>(c.src), c.bytes);
-      BANASERVE_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(c.dst), staging, c.bytes,
-                                           cudaMemcpyHostToDevice, fetch_stream_->get()));
+    // Always through the pinned slot, as for one-piece layers: the caller's host memory may be
+    // pageable, where cudaMemcpyAsync degrades to a driver-staged blocking copy, and the pipeline
+    // does not know which it got. Segments are packed back to back in the slot; one
+    // cudaMemcpyAsync per segment because the device pages are scattered.
+    char* staging = slot_ptr(slot);
+    std::size_t offset = 0;
+    for (const LayerCopy& c : segments) {
+      if (c.bytes == 0) continue;
+      std::memcpy(staging + offset, reinterpret_cast<const void*>(c.src), c.bytes);
+      BANASERVE_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(c.dst), staging + offset,
+                                           c.bytes, cudaMemcpyHostToDevice,
+                                           fetch_stream_->get()));
+      offset += c.bytes;
     }
     BANASERVE_CUDA_CHECK(cudaEventRecord(done, fetch_stream_->get()));
     // The staging slot is held until the copy out of it has completed.
@@ -95,19 +105,28 @@ class CudaCopier final : public StageCopier {
         cudaEventRecord(compute_done_[static_cast<std::size_t>(slot)].get(), compute_stream_));
   }
 
-  void store(int /*layer*/, int slot, const LayerCopy& c) override {
+  void store(int /*layer*/, int slot, const LayerSegments& segments) override {
     const auto s = static_cast<std::size_t>(slot);
     // The device side orders the store after the layer's compute; the host thread only waits
-    // for the copy into staging to land.
+    // for the copies into staging to land, then scatters them to the host destinations.
     BANASERVE_CUDA_CHECK(cudaStreamWaitEvent(store_stream_->get(), compute_done_[s].get(), 0));
     char* staging = slot_ptr(slot);
-    if (c.bytes != 0) {
-      BANASERVE_CUDA_CHECK(cudaMemcpyAsync(staging, reinterpret_cast<const void*>(c.src), c.bytes,
-                                           cudaMemcpyDeviceToHost, store_stream_->get()));
+    std::size_t offset = 0;
+    for (const LayerCopy& c : segments) {
+      if (c.bytes == 0) continue;
+      BANASERVE_CUDA_CHECK(cudaMemcpyAsync(staging + offset, reinterpret_cast<const void*>(c.src),
+                                           c.bytes, cudaMemcpyDeviceToHost,
+                                           store_stream_->get()));
+      offset += c.bytes;
     }
     BANASERVE_CUDA_CHECK(cudaEventRecord(store_done_[s].get(), store_stream_->get()));
     BANASERVE_CUDA_CHECK(cudaEventSynchronize(store_done_[s].get()));
-    if (c.bytes != 0) std::memcpy(reinterpret_cast<void*>(c.dst), staging, c.bytes);
+    offset = 0;
+    for (const LayerCopy& c : segments) {
+      if (c.bytes == 0) continue;
+      std::memcpy(reinterpret_cast<void*>(c.dst), staging + offset, c.bytes);
+      offset += c.bytes;
+    }
   }
 
  private:

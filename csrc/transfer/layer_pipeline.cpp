@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -39,9 +40,9 @@ class LiveThread {
   LiveThread& operator=(const LiveThread&) = delete;
 };
 
-void check_copies(std::vector<LayerCopy>& copies, int num_layers, const char* name) {
+void check_copies(std::vector<LayerSegments>& copies, int num_layers, const char* name) {
   if (copies.empty()) {
-    copies.resize(static_cast<std::size_t>(num_layers));  // zero bytes: nothing to copy
+    copies.resize(static_cast<std::size_t>(num_layers));  // no segments: nothing to copy
     return;
   }
   if (copies.size() != static_cast<std::size_t>(num_layers)) {
@@ -49,14 +50,23 @@ void check_copies(std::vector<LayerCopy>& copies, int num_layers, const char* na
                                 " copies for " + std::to_string(num_layers) + " layers");
   }
   for (std::size_t i = 0; i < copies.size(); ++i) {
-    if (copies[i].bytes != 0 && (copies[i].src == 0 || copies[i].dst == 0)) {
-      throw std::invalid_argument(std::string(name) + " of layer " + std::to_string(i) +
-                                  ": null address");
+    for (std::size_t k = 0; k < copies[i].size(); ++k) {
+      const LayerCopy& c = copies[i][k];
+      if (c.bytes != 0 && (c.src == 0 || c.dst == 0)) {
+        throw std::invalid_argument(std::string(name) + " of layer " + std::to_string(i) +
+                                    ", segment " + std::to_string(k) + ": null address");
+      }
     }
   }
 }
 
 }  // namespace
+
+std::size_t total_bytes(const LayerSegments& segments) {
+  std::size_t n = 0;
+  for (const LayerCopy& c : segments) n += c.bytes;
+  return n;
+}
 
 LayerPipeline::LayerPipeline(PipelineSpec spec, std::unique_ptr<StageCopier> copier)
     : spec_(std::move(spec)), copier_(std::move(copier)) {
@@ -111,8 +121,11 @@ void LayerPipeline::fetch_loop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       // The ring: layer j may start only when layer j - depth has been stored, so slot
-      // j % depth (and any caller buffer rotated the same way) is free again.
-      cv_.wait(lock, [&] { return stop_ || j < stored_ + spec_.depth; });
+      // j % depth (and any caller buffer rotated the same way) is free again. Gated: the host
+      // source must also be complete, or the copy would read bytes still being written.
+      cv_.wait(lock, [&] {
+        return stop_ || (j < stored_ + spec_.depth && (!spec_.gated || j < sources_ready_));
+      });
       if (stop_) return;
       max_in_flight_ = std::max(max_in_flight_, j + 1 - stored_);
     }
@@ -214,6 +227,48 @@ void LayerPipeline::computed(int layer) {
     computed_ = layer + 1;
   }
   cv_.notify_all();
+}
+
+bool LayerPipeline::source_ready(int layer) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!spec_.gated) throw std::invalid_argument("source_ready: the pipeline is not gated");
+    // Checked before the order: after shutdown the reader's progress no longer matters, and it
+    // must be able to finish its loop without handling errors.
+    if (closed_ || stop_) return false;
+    if (layer != sources_ready_) {
+      throw std::invalid_argument("source_ready(" + std::to_string(layer) +
+                                  "): expected layer " + std::to_string(sources_ready_) +
+                                  " (layers are announced in order)");
+    }
+    if (layer >= spec_.num_layers) {
+      throw std::invalid_argument("source_ready: layer " + std::to_string(layer) +
+                                  " out of range");
+    }
+    sources_ready_ = layer + 1;
+  }
+  cv_.notify_all();
+  return true;
+}
+
+bool LayerPipeline::source_failed(int layer, const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!spec_.gated) throw std::invalid_argument("source_failed: the pipeline is not gated");
+    if (closed_ || stop_) return false;
+    if (layer < 0 || layer >= spec_.num_layers) {
+      throw std::invalid_argument("source_failed: layer " + std::to_string(layer) +
+                                  " out of range");
+    }
+    // What fail() does, but under the same lock as the check above: a close() slipping in
+    // between would otherwise miss the error (its unreported-error check already ran) while
+    // this call claimed to have failed the pipeline. Reported like a worker's fetch error.
+    error_ = std::make_exception_ptr(
+        std::runtime_error("source of layer " + std::to_string(layer) + " failed: " + message));
+    stop_ = true;
+  }
+  cv_.notify_all();
+  return true;
 }
 
 void LayerPipeline::stop_and_join(bool drain) noexcept {

@@ -11,6 +11,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -25,18 +26,28 @@ struct LayerCopy {
   std::size_t bytes = 0;
 };
 
+// One layer's copy in one direction as a list of segments, because device KV pages are scattered
+// (one segment per page run). Empty, or all segments of 0 bytes: nothing to copy for this layer.
+using LayerSegments = std::vector<LayerCopy>;
+
+// Sum of the segment sizes of one layer (the staging bytes it needs on CUDA).
+std::size_t total_bytes(const LayerSegments& segments);
+
 enum class Stage : int { kFetch = 0, kCompute = 1, kStore = 2 };
 
 struct PipelineSpec {
   int num_layers = 0;
-  // Host -> device, one entry per layer (or empty: nothing is fetched).
-  std::vector<LayerCopy> fetch;
-  // Device -> host, one entry per layer (or empty: nothing is stored).
-  std::vector<LayerCopy> store;
+  // Host -> device, one segment list per layer (or empty: nothing is fetched).
+  std::vector<LayerSegments> fetch;
+  // Device -> host, one segment list per layer (or empty: nothing is stored).
+  std::vector<LayerSegments> store;
   // Ring depth: at most `depth` layers are in flight (fetch started, store not finished). This
   // bounds staging memory and lets a caller use `depth` device buffers in rotation (layer j in
   // buffer j % depth). 3 gives full overlap: one fetching, one computing, one storing.
   int depth = 3;
+  // Gated fetch: layer j's fetch also waits for source_ready(j), because its host bytes are
+  // still arriving (e.g. a reader thread pulling them from the KV store) when the pipeline starts.
+  bool gated = false;
   // Test hook: make this stage fail at this layer (-1: never), so that error paths can be
   // exercised without a broken device.
   int fault_stage = -1;
@@ -52,13 +63,13 @@ class StageCopier {
   // Runs first on each worker thread (CUDA: make the device current there).
   virtual void on_thread_start() {}
   // Returns once the layer's data is usable by compute ordered after before_compute().
-  virtual void fetch(int layer, int slot, const LayerCopy& copy) = 0;
+  virtual void fetch(int layer, int slot, const LayerSegments& copy) = 0;
   // The caller is about to compute `layer` (CUDA: its compute stream waits for the fetch).
   virtual void before_compute(int /*layer*/, int /*slot*/) {}
   // The caller has issued the compute of `layer` (CUDA: an event marks it on the stream).
   virtual void after_compute(int /*layer*/, int /*slot*/) {}
   // Returns once the layer's bytes are in the host destination.
-  virtual void store(int layer, int slot, const LayerCopy& copy) = 0;
+  virtual void store(int layer, int slot, const LayerSegments& copy) = 0;
 };
 
 class LayerPipeline {
@@ -81,6 +92,21 @@ class LayerPipeline {
   void close();
   // Stops without waiting for pending stores and joins. Idempotent; never throws.
   void abort() noexcept;
+
+  // Gated pipelines only (std::invalid_argument otherwise). Any thread may call these, typically
+  // a reader thread while the caller blocks in wait_fetched().
+  //
+  // The host source bytes of `layer` have arrived: its fetch may start (once the ring allows).
+  // Layers must be announced in order 0, 1, ... (std::invalid_argument otherwise). Returns false
+  // and does nothing once the pipeline is closed, aborted or failed, so a reader racing with
+  // shutdown needs no error handling; true otherwise.
+  bool source_ready(int layer);
+  // The host source bytes of `layer` will never arrive: the pipeline fails as if that layer's
+  // fetch had failed ("source of layer L failed: <message>", reported at the next wait_fetched/
+  // computed or at close()), and every blocked call wakes up. Returns false and does nothing once
+  // the pipeline is closed, aborted or failed (the first error stays the reported one).
+  bool source_failed(int layer, const std::string& message);
+  bool gated() const { return spec_.gated; }
 
   int num_layers() const { return spec_.num_layers; }
   int depth() const { return spec_.depth; }
@@ -114,6 +140,7 @@ class LayerPipeline {
   int compute_begun_ = 0;  // layers for which wait_fetched() returned
   int computed_ = 0;       // layers marked computed
   int stored_ = 0;         // layers whose store finished
+  int sources_ready_ = 0;  // gated: layers announced by source_ready() (in order)
   int max_in_flight_ = 0;
   bool stop_ = false;
   bool closed_ = false;

@@ -21,10 +21,28 @@ On CUDA, fetch destinations and store sources are device memory, the other sides
 (pageable is fine: the pipeline stages through its own pinned ring of ``depth`` slots), and
 ``wait_fetched``/``computed`` order the caller's compute stream with events instead of blocking
 on the GPU.
+
+Segments. A layer's copy may be scattered (device KV pages): instead of one (source, destination)
+pair, a fetch/store entry may be a ``list`` of segments, each a (source, destination) buffer pair
+of equal size or a raw ``(src_addr, dst_addr, nbytes)`` triple. On CUDA the segments of a layer
+are packed into one pinned staging slot, with one ``cudaMemcpyAsync`` per segment.
+
+Gated fetch. With ``gated=True`` the host bytes of layer i may still be arriving when the pipeline
+starts (e.g. a reader thread pulling them from the KV store): layer i's fetch starts only after
+``source_ready(i)`` (and the ring allows it), so the store read of layer i+1 overlaps the copy of
+layer i and the compute of layer 0 can start before the last layer has arrived::
+
+    p = LayerPipeline(L, fetch=..., depth=3, gated=True)
+    # reader thread:                      # main thread:
+    for i in range(L):                     for i in p.layers():
+        read_from_store(i, host[i])            compute(i)
+        p.source_ready(i)                  p.close()
+    # on a read error: p.source_failed(i, str(err))  -> RuntimeError in the main thread
 """
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Iterator, Sequence
 from types import TracebackType
@@ -38,8 +56,10 @@ __all__ = ["LayerPipeline", "live_threads"]
 
 #: A buffer: numpy array, torch tensor, or (address, nbytes).
 Buffer = Any
-#: One layer's copy in one direction: (source, destination).
-Copy = tuple[Buffer, Buffer]
+#: One segment: (source, destination) buffers of equal size, or (src_addr, dst_addr, nbytes).
+Segment = tuple[Buffer, Buffer] | tuple[int, int, int]
+#: One layer's copy in one direction: one segment, or a list of segments (scattered pages).
+Copy = Segment | list[Segment]
 
 _STAGES = {"fetch": 0, "compute": 1, "store": 2}
 
@@ -97,6 +117,13 @@ class LayerPipeline:
             default: torch's current stream if torch is loaded, else the legacy default stream.
         bytes_per_second: CPU only: pace each copy to this bandwidth (sleeping, not spinning),
             to model a transfer of known duration in benchmarks; 0 copies at memcpy speed.
+            A layer of several segments is paced on its total size.
+        gated: if True, layer i's fetch also waits for ``source_ready(i)`` (its host bytes have
+            arrived); ``source_failed`` fails the pipeline. Default False: fetches start as soon
+            as the ring allows, as the host sources are complete up front.
+
+    Each entry of ``fetch``/``store`` is one segment or a ``list`` of segments (see the module
+    docstring); sizes are checked per segment (ValueError naming ``fetch[i][k]``).
 
     The worker threads start in the constructor. Always ``close()`` (or use ``with``):
     stage errors surface at the next ``wait_fetched``/``computed`` or at ``close``.
@@ -112,6 +139,7 @@ class LayerPipeline:
         device: str | int = "cpu",
         stream: int | None = None,
         bytes_per_second: float = 0.0,
+        gated: bool = False,
         _fault: tuple[str, int] | None = None,
     ) -> None:
         dev = _parse_device(device)
@@ -134,32 +162,66 @@ class LayerPipeline:
             bytes_per_second=bytes_per_second,
             fault_stage=fault_stage,
             fault_layer=fault_layer,
+            gated=gated,
         )
         self._closed = False
 
     def _copies(
-        self, pairs: Sequence[Copy] | None, num_layers: int, name: str, dev: int, device_side: int
-    ) -> list[tuple[int, int, int]]:
-        if pairs is None:
+        self, entries: Sequence[Copy] | None, num_layers: int, name: str, dev: int, device_side: int
+    ) -> list[list[tuple[int, int, int]]]:
+        """Per layer, the (src, dst, nbytes) segments of ``entries``; raises ValueError/TypeError
+        on a wrong count, size mismatch, null address or wrong device, naming the segment."""
+        if entries is None:
             return []
-        if len(pairs) != num_layers:
-            raise ValueError(f"{name}: {len(pairs)} pairs for {num_layers} layers")
+        if len(entries) != num_layers:
+            raise ValueError(f"{name}: {len(entries)} pairs for {num_layers} layers")
         out = []
-        for i, (src, dst) in enumerate(pairs):
-            s_addr, s_n, s_kind = _address(src, f"{name}[{i}] source", writable=False)
-            d_addr, d_n, d_kind = _address(dst, f"{name}[{i}] destination", writable=True)
-            if s_n != d_n:
-                raise ValueError(f"{name}[{i}]: source has {s_n} bytes, destination {d_n}")
-            for side, kind in enumerate((s_kind, d_kind)):
-                want = "cuda" if dev >= 0 and side == device_side else "cpu"
-                if kind not in ("raw", want):
-                    raise ValueError(
-                        f"{name}[{i}]: {('source', 'destination')[side]} is on "
-                        f"{kind}, expected {want}"
-                    )
-            self._keepalive += [src, dst]
-            out.append((s_addr, d_addr, s_n))
+        for i, entry in enumerate(entries):
+            if isinstance(entry, list):  # a list is a segment list; a tuple is one segment
+                out.append(
+                    [
+                        self._segment(seg, f"{name}[{i}][{k}]", dev, device_side)
+                        for k, seg in enumerate(entry)
+                    ]
+                )
+            else:
+                out.append([self._segment(entry, f"{name}[{i}]", dev, device_side)])
         return out
+
+    def _segment(self, seg: Segment, what: str, dev: int, device_side: int) -> tuple[int, int, int]:
+        """(src, dst, nbytes) of one segment; keeps its buffers alive until close."""
+        if not isinstance(seg, tuple | list) or len(seg) not in (2, 3):
+            raise TypeError(
+                f"{what}: expected (source, destination) or (src_addr, dst_addr, nbytes), "
+                f"got {type(seg).__name__}"
+            )
+        if len(seg) == 3:
+            try:  # any integer type (numpy's too), but not bool or float
+                if any(isinstance(x, bool) for x in seg):
+                    raise TypeError
+                s_addr, d_addr, n = (operator.index(x) for x in seg)
+            except TypeError:
+                raise TypeError(
+                    f"{what}: a triple must be (src_addr, dst_addr, nbytes) integers"
+                ) from None
+            if min(s_addr, d_addr, n) < 0:
+                raise ValueError(f"{what}: negative address or size in {seg!r}")
+            if n and not (s_addr and d_addr):
+                raise ValueError(f"{what}: null address")
+            return s_addr, d_addr, n
+        src, dst = seg
+        s_addr, s_n, s_kind = _address(src, f"{what} source", writable=False)
+        d_addr, d_n, d_kind = _address(dst, f"{what} destination", writable=True)
+        if s_n != d_n:
+            raise ValueError(f"{what}: source has {s_n} bytes, destination {d_n}")
+        for side, kind in enumerate((s_kind, d_kind)):
+            want = "cuda" if dev >= 0 and side == device_side else "cpu"
+            if kind not in ("raw", want):
+                raise ValueError(
+                    f"{what}: {('source', 'destination')[side]} is on {kind}, expected {want}"
+                )
+        self._keepalive += [src, dst]
+        return s_addr, d_addr, s_n
 
     @property
     def num_layers(self) -> int:
@@ -173,6 +235,32 @@ class LayerPipeline:
     def max_in_flight(self) -> int:
         """Most layers that were in flight at once so far (always <= depth)."""
         return self._p.max_in_flight
+
+    @property
+    def gated(self) -> bool:
+        """True if fetches wait for ``source_ready``."""
+        return self._p.gated
+
+    def source_ready(self, layer: int) -> bool:
+        """Gated only: the host source bytes of ``layer`` are complete; its fetch may start.
+
+        Thread-safe (typically called from a reader thread while the main thread blocks in
+        ``wait_fetched``; the GIL is released). Layers must be announced in order 0, 1, ...
+        (ValueError otherwise, or if the pipeline is not gated). After ``close``/``abort`` or a
+        failure the call is ignored and returns False, so a reader racing with shutdown needs
+        no error handling; otherwise returns True. The source bytes must not change afterwards.
+        """
+        return self._p.source_ready(layer)
+
+    def source_failed(self, layer: int, message: str) -> bool:
+        """Gated only: the host bytes of ``layer`` will never arrive.
+
+        The pipeline fails like a fetch error: ``RuntimeError("source of layer <layer> failed:
+        <message>")`` is raised at the next ``wait_fetched``/``computed`` or at ``close``, and
+        every blocked call and worker wakes up. Thread-safe. Ignored (returns False) after
+        ``close``/``abort`` or an earlier failure, which stays the reported error; else True.
+        """
+        return self._p.source_failed(layer, message)
 
     def wait_fetched(self, layer: int) -> None:
         """Block (GIL released) until ``layer`` is fetched; layers go 0, 1, ... in order.
