@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import requests
 
-from banaserve.sglang_ext.kvstore_linker import linker_args
 from banaserve.utils.processes import ManagedProcess, free_port
 from conftest import SERVER_START_TIMEOUT, TEST_KV_TOKENS, Server
 from test_kvstore_sglang import TOKEN, generate, long_prompt, start_shard, wait_for_pages
@@ -40,7 +39,7 @@ def start_instance(model: Path, urls: list[str], logs: Path, name: str) -> Manag
         "--model-path", str(model), "--port", str(port),
         "--max-total-tokens", str(TEST_KV_TOKENS), "--log-level", "info",
         "--page-size", str(PAGE),
-        *linker_args(urls, replication=1),
+        "--kv-store", ",".join(urls), "--kv-store-mode", "linker",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", BANASERVE_KV_STORE_TOKEN=TOKEN)
     process = ManagedProcess(name, argv, logs / f"{name}.log", env=env)

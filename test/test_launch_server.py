@@ -69,3 +69,46 @@ def test_kv_pool_sized_from_memory(tiny_model: Path) -> None:
     assert size.tokens == kv_pool_sizing.MAX_TOKENS
     with pytest.raises(ValueError, match="fraction"):
         kv_pool_sizing.size_kv_pool(tiny_model, 1.5)
+
+
+@pytest.mark.parametrize("mode", ["hicache", "linker"])
+def test_kv_store_flags(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    from banaserve.launch_server import attach_kv_store
+
+    monkeypatch.setenv("BANASERVE_KV_STORE_TOKEN", "secret")
+    urls = "tcp://127.0.0.1:7001,tcp://127.0.0.1:7002"
+    plan = plan_launch(
+        ["--model-path", str(tiny_model), "--kv-store", urls, "--kv-store-replication", "2",
+         "--kv-store-mode", mode]
+    )  # fmt: skip
+    argv = plan.sglang_argv
+    assert argv[argv.index("--page-size") + 1] == "16"
+    assert plan.kv_store is not None and plan.kv_store.mode == mode
+    process, store_args = attach_kv_store(plan.kv_store)
+    assert process is None  # nothing to start for external shards
+    assert "secret" not in " ".join(store_args)  # the token travels in the environment
+    if mode == "hicache":
+        assert "--enable-hierarchical-cache" in store_args
+        assert argv[argv.index("--hicache-storage-prefetch-policy") + 1] == "wait_complete"
+        config_flag = "--hicache-storage-backend-extra-config"
+    else:
+        assert "--enable-unified-cache-external-linker" in store_args
+        assert "--enable-hierarchical-cache" not in store_args + argv
+        config_flag = "--unified-cache-external-linker-config"
+    config = store_args[store_args.index(config_flag) + 1]
+    assert "tcp://127.0.0.1:7001" in config and '"replication": 2' in config
+
+
+def test_kv_store_flags_are_validated(tiny_model: Path) -> None:
+    for bad, message in [
+        (["--kv-store", "localhost:7000"], "is not a URL"),
+        (["--kv-store", "tcp://a:1", "--kv-store-replication", "2"], "needs at least as many"),
+        (["--kv-store", "tcp://a:1", "--kv-store-mode", "nfs"], "invalid choice"),
+    ]:
+        run = subprocess.run(
+            [sys.executable, "-m", "banaserve.launch_server", "--model-path", str(tiny_model),
+             *bad],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert message in run.stderr

@@ -49,7 +49,8 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
         if args.page_size is None:
             # One store key per token would cost a hash and a round trip per token.
             sglang_argv += ["--page-size", str(KV_STORE_PAGE_SIZE)]
-        if not any(a.startswith("--hicache-storage-prefetch-policy") for a in argv):
+        prefetch_set = any(a.startswith("--hicache-storage-prefetch-policy") for a in argv)
+        if kv_store.mode == "hicache" and not prefetch_set:
             # The store makes a prefix computed anywhere loadable here: wait for it rather
             # than compute it again (a down shard answers at once, as a miss).
             sglang_argv += ["--hicache-storage-prefetch-policy", "wait_complete"]
@@ -88,7 +89,6 @@ def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, lis
     """Start the embedded shard if asked; return it and the SGLang flags that attach to the
     store. The token reaches SGLang's children through the environment, not the argv."""
     from banaserve.kvstore.embedded import TOKEN_ENV, start_embedded_store
-    from banaserve.sglang_ext.kvstore_backend import hicache_args
 
     process = None
     urls, token = options.urls, options.token or os.environ.get(TOKEN_ENV)
@@ -99,7 +99,16 @@ def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, lis
         logger.info("embedded KV store at %s (log: %s)", url, process.log_path)
     if token:
         os.environ[TOKEN_ENV] = token
-    logger.info("KV store: %s, replication %d", ", ".join(urls), options.replication)
+    logger.info(
+        "KV store: %s, replication %d, through %s",
+        ", ".join(urls), options.replication, options.mode,
+    )  # fmt: skip
+    if options.mode == "linker":
+        from banaserve.sglang_ext.kvstore_linker import linker_args
+
+        return process, linker_args(urls, options.replication, options.tenant)
+    from banaserve.sglang_ext.kvstore_backend import hicache_args
+
     return process, hicache_args(urls, options.replication, options.tenant)
 
 

@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass, field
 
 PROG = "python -m banaserve.launch_server"
+KV_STORE_MODES = ("hicache", "linker")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class KvStoreOptions:
     replication: int
     capacity_gb: float
     tenant: str
+    mode: str = "hicache"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KvStoreOptions | None:
@@ -53,7 +55,7 @@ class KvStoreOptions:
             )
         return cls(
             urls, embedded, args.kv_store_token, args.kv_store_replication,
-            args.kv_store_capacity_gb, args.kv_store_tenant,
+            args.kv_store_capacity_gb, args.kv_store_tenant, args.kv_store_mode,
         )  # fmt: skip
 
 
@@ -102,6 +104,15 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         "--kv-store-tenant",
         default="",
         help="Tenant name: instances of different tenants never share pages.",
+    )
+    store.add_argument(
+        "--kv-store-mode",
+        choices=KV_STORE_MODES,
+        default="hicache",
+        help="How SGLang reaches the store: 'hicache' (the default: HiCache L3 storage behind "
+        "a host KV pool) or 'linker' (SGLang's external linker: prefix KV is loaded from the "
+        "store straight into the device pool, layer by layer through BanaServe's pipeline, "
+        "the forward waiting per layer; MHA models only).",
     )
 
 
