@@ -6,24 +6,17 @@ An SGLang server takes 25-40 s to start here, so every end-to-end test shares on
 from __future__ import annotations
 
 import os
-import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
-from banaserve.utils.processes import ManagedProcess
+from banaserve.utils.processes import ManagedProcess, free_port
 
 SERVER_START_TIMEOUT = 300.0
 #: Small enough that several servers fit beside each other on a CI machine.
 TEST_KV_TOKENS = 16384
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +27,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Server:
-    """A running ``banaserve.launch_server``: its URL, model and process."""
+    """A ``banaserve.launch_server`` process: its URL, model and process (the caller stops it)."""
 
     def __init__(self, process: ManagedProcess, url: str, model_path: Path, name: str) -> None:
         self.process = process
@@ -42,23 +35,36 @@ class Server:
         self.model_path = model_path
         self.served_model_name = name
 
+    def wait_ready(self) -> None:
+        self.process.wait_http_ok(f"{self.url}/health", SERVER_START_TIMEOUT)
+
+
+def start_server(
+    model: Path,
+    log_path: Path,
+    *extra_args: str,
+    env: Mapping[str, str] | None = None,
+    log_level: str = "warning",
+) -> Server:
+    """Start ``launch_server`` on the tiny model on a free port; not waited for (starting
+    several at once overlaps their start-ups)."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "banaserve.launch_server",
+        "--model-path", str(model), "--port", str(port),
+        "--max-total-tokens", str(TEST_KV_TOKENS), "--log-level", log_level,
+        *extra_args,
+    ]  # fmt: skip
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
+    process = ManagedProcess(log_path.stem, argv, log_path, env=env)
+    return Server(process, f"http://127.0.0.1:{port}", model, model.name)
+
 
 @pytest.fixture(scope="session")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    logs = tmp_path_factory.mktemp("logs")
-    argv = [
-        sys.executable, "-m", "banaserve.launch_server",
-        "--model-path", str(tiny_model),
-        "--port", str(port),
-        "--max-total-tokens", str(TEST_KV_TOKENS),
-        "--log-level", "warning",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    process = ManagedProcess("banaserve server", argv, logs / "server.log", env=env)
-    url = f"http://127.0.0.1:{port}"
+    server = start_server(tiny_model, tmp_path_factory.mktemp("logs") / "server.log")
     try:
-        process.wait_http_ok(f"{url}/health", SERVER_START_TIMEOUT)
-        yield Server(process, url, tiny_model, tiny_model.name)
+        server.wait_ready()
+        yield server
     finally:
-        process.stop()
+        server.process.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +16,16 @@ from pathlib import Path
 import pytest
 import requests
 
-from banaserve.utils.processes import ManagedProcess, free_port
-from conftest import SERVER_START_TIMEOUT, TEST_KV_TOKENS, Server
-from test_kvstore_sglang import TOKEN, generate, long_prompt, start_shard, wait_for_pages
+from banaserve.utils.processes import ManagedProcess
+from conftest import Server
+from test_kvstore_sglang import (
+    TOKEN,
+    generate,
+    long_prompt,
+    start_instances,
+    start_shard,
+    wait_for_pages,
+)
 
 PAGE = 16
 
@@ -32,21 +38,6 @@ class Pair:
     logs: Path
 
 
-def start_instance(model: Path, urls: list[str], logs: Path, name: str) -> ManagedProcess:
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "banaserve.launch_server",
-        "--model-path", str(model), "--port", str(port),
-        "--max-total-tokens", str(TEST_KV_TOKENS), "--log-level", "info",
-        "--page-size", str(PAGE),
-        "--kv-store", ",".join(urls), "--kv-store-mode", "linker",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", BANASERVE_KV_STORE_TOKEN=TOKEN)
-    process = ManagedProcess(name, argv, logs / f"{name}.log", env=env)
-    process.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
-    return process
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     logs = tmp_path_factory.mktemp("kvstore-linker")
@@ -54,11 +45,12 @@ def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         shard, url = start_shard(logs, "shard")
         processes.append(shard)
-        instances = [start_instance(tiny_model, [url], logs, name) for name in ("a", "b")]
-        processes += instances
-        for instance in instances:
-            instance.wait_http_ok(f"{instance.url}/health", SERVER_START_TIMEOUT)  # type: ignore[attr-defined]
-        a, b = (Server(p, p.url, tiny_model, tiny_model.name) for p in instances)  # type: ignore[attr-defined]
+        a, b = start_instances(
+            tiny_model, [url], logs, "--kv-store-mode", "linker", "--page-size", str(PAGE)
+        )
+        processes += [a.process, b.process]
+        a.wait_ready()
+        b.wait_ready()
         yield Pair([url], a, b, logs)
     finally:
         for process in reversed(processes):

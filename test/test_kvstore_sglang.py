@@ -20,7 +20,7 @@ import requests
 
 from banaserve.kvstore.client import KvStoreClient
 from banaserve.utils.processes import ManagedProcess, free_port
-from conftest import SERVER_START_TIMEOUT, TEST_KV_TOKENS, Server
+from conftest import Server, start_server
 
 TOKEN = "test-token-" + "x" * 8
 MAX_TOKENS = 8
@@ -43,20 +43,14 @@ def start_shard(logs: Path, name: str) -> tuple[ManagedProcess, str]:
     return process, f"tcp://127.0.0.1:{port}"
 
 
-def start_instance(model: Path, urls: list[str], logs: Path, name: str) -> ManagedProcess:
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "banaserve.launch_server",
-        "--model-path", str(model), "--port", str(port),
-        "--max-total-tokens", str(TEST_KV_TOKENS), "--log-level", "warning",
-        "--kv-store", ",".join(urls), "--kv-store-replication", "2",
-        # Wait for storage loads to finish, so the test sees every hit the store can give.
-        "--hicache-storage-prefetch-policy", "wait_complete",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", BANASERVE_KV_STORE_TOKEN=TOKEN)
-    process = ManagedProcess(name, argv, logs / f"{name}.log", env=env)
-    process.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
-    return process
+def start_instances(model: Path, urls: list[str], logs: Path, *mode_args: str) -> list[Server]:
+    """Instances a and b attached to the shards at ``urls``; started, not yet ready."""
+    env = dict(os.environ, BANASERVE_KV_STORE_TOKEN=TOKEN)
+    store_args = ("--kv-store", ",".join(urls), *mode_args)
+    return [
+        start_server(model, logs / f"{name}.log", *store_args, env=env, log_level="info")
+        for name in ("a", "b")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +64,14 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             processes.append(process)
             shards.append((process, url))
         urls = [url for _, url in shards]
-        instances = [start_instance(tiny_model, urls, logs, name) for name in ("a", "b")]
-        processes += instances
-        for instance in instances:
-            instance.wait_http_ok(f"{instance.url}/health", SERVER_START_TIMEOUT)  # type: ignore[attr-defined]
-        a, b = (Server(p, p.url, tiny_model, tiny_model.name) for p in instances)  # type: ignore[attr-defined]
+        a, b = start_instances(
+            tiny_model, urls, logs, "--kv-store-replication", "2",
+            # Wait for storage loads to finish, so the test sees every hit the store can give.
+            "--hicache-storage-prefetch-policy", "wait_complete",
+        )  # fmt: skip
+        processes += [a.process, b.process]
+        a.wait_ready()
+        b.wait_ready()
         yield Cluster([p for p, _ in shards], urls, a, b)
     finally:
         for process in reversed(processes):
@@ -150,20 +147,15 @@ def test_embedded_store_serves_hits_and_stops_with_the_server(
 ) -> None:
     import psutil
 
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "banaserve.launch_server",
-        "--model-path", str(tiny_model), "--port", str(port),
-        "--max-total-tokens", str(TEST_KV_TOKENS), "--log-level", "warning",
-        "--kv-store", "embedded", "--kv-store-capacity-gb", "0.25",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ)
     env.pop("BANASERVE_KV_STORE_TOKEN", None)
-    process = ManagedProcess("embedded", argv, tmp_path / "embedded.log", env=env)
+    instance = start_server(
+        tiny_model, tmp_path / "embedded.log",
+        "--kv-store", "embedded", "--kv-store-capacity-gb", "0.25", env=env,
+    )  # fmt: skip
+    process, url = instance.process, instance.url
     try:
-        url = f"http://127.0.0.1:{port}"
-        process.wait_http_ok(f"{url}/health", SERVER_START_TIMEOUT)
-        instance = Server(process, url, tiny_model, tiny_model.name)
+        instance.wait_ready()
         prompt = long_prompt(seed=3)
         first = generate(instance, prompt)
         expected_hit = 16 * ((first["meta_info"]["prompt_tokens"] // 16) - 1)

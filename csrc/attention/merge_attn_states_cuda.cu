@@ -8,25 +8,11 @@
 #include <string>
 
 #include "attention/merge_attn_states.h"
+#include "common/cuda_convert.cuh"
 #include "common/cuda_utils.cuh"
 
 namespace banaserve::attention {
 namespace {
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 // kPack elements moved as one 16-byte access when the layout allows it.
 template <typename T, int kPack>

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attention/partial_attention.h"
+#include "common/cuda_convert.cuh"
 #include "common/cuda_utils.cuh"
 
 namespace banaserve::attention {
@@ -17,21 +18,6 @@ constexpr int kWarpSize = 32;
 // Four warps per (token, head) row: enough to keep several key loads in flight per row while
 // short rows (decode against a small range) still waste little of the block.
 constexpr int kWarps = 4;
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 // Passed by value in the kernel's parameter block, so the head selection needs no device
 // allocation (and nothing to free or to keep alive until the kernel has run).

@@ -88,7 +88,8 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
 def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, list[str]]:
     """Start the embedded shard if asked; return it and the SGLang flags that attach to the
     store. The token reaches SGLang's children through the environment, not the argv."""
-    from banaserve.kvstore.embedded import TOKEN_ENV, start_embedded_store
+    from banaserve.kvstore import TOKEN_ENV
+    from banaserve.kvstore.embedded import start_embedded_store
 
     process = None
     urls, token = options.urls, options.token or os.environ.get(TOKEN_ENV)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from banaserve import _C
+from banaserve.attention._cuda import launch_target, require_cuda_build, scalar_type
 
 if TYPE_CHECKING:
     import torch
@@ -140,17 +141,9 @@ def _merge_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
-    if not _C.cuda_compiled():
-        raise RuntimeError(
-            "merge_attn_states got CUDA tensors but banaserve._C was built without CUDA; "
-            "rebuild with nvcc on PATH (BANASERVE_CUDA=AUTO or ON)"
-        )
-    codes = {
-        torch.float32: _C.ScalarType.float32,
-        torch.float16: _C.ScalarType.float16,
-        torch.bfloat16: _C.ScalarType.bfloat16,
-    }
-    if out_a.dtype not in codes or out_b.dtype != out_a.dtype:
+    require_cuda_build("merge_attn_states")
+    code = scalar_type(out_a.dtype)
+    if code is None or out_b.dtype != out_a.dtype:
         raise TypeError(
             f"CUDA merge needs out_a/out_b of one dtype among float32, float16, bfloat16; "
             f"got {out_a.dtype}, {out_b.dtype}"
@@ -160,7 +153,6 @@ def _merge_cuda(
     out = torch.empty_like(out_a)
     lse = torch.empty_like(lse_a)
     tokens, heads, head_dim = out_a.shape
-    device = out_a.device.index if out_a.device.index is not None else torch.cuda.current_device()
     _C.merge_attn_states_cuda(
         out.data_ptr(),
         lse.data_ptr(),
@@ -171,8 +163,7 @@ def _merge_cuda(
         tokens,
         heads,
         head_dim,
-        codes[out_a.dtype],
-        device,
-        torch.cuda.current_stream(device).cuda_stream,
+        code,
+        *launch_target(out_a),
     )
     return out, lse

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from banaserve import _C
+from banaserve.attention._cuda import launch_target, require_cuda_build, scalar_type
 
 if TYPE_CHECKING:
     import torch
@@ -215,17 +216,9 @@ def _partial_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
-    if not _C.cuda_compiled():
-        raise RuntimeError(
-            "partial_attention got CUDA tensors but banaserve._C was built without CUDA; "
-            "rebuild with nvcc on PATH (BANASERVE_CUDA=AUTO or ON)"
-        )
-    codes = {
-        torch.float32: _C.ScalarType.float32,
-        torch.float16: _C.ScalarType.float16,
-        torch.bfloat16: _C.ScalarType.bfloat16,
-    }
-    if q.dtype not in codes:
+    require_cuda_build("partial_attention")
+    code = scalar_type(q.dtype)
+    if code is None:
         raise TypeError(f"CUDA partial_attention needs float32, float16 or bfloat16, got {q.dtype}")
     tokens, q_heads, head_dim = q.shape
     kv_len, kv_heads, _ = k.shape
@@ -236,7 +229,6 @@ def _partial_cuda(
     # Copied on the current stream, which the kernel follows; the caching allocator keeps the
     # buffer from being reused by other streams until that stream is past the kernel.
     pos = torch.from_numpy(positions).to(q.device) if positions is not None else None
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     _C.partial_attention_cuda(
         out.data_ptr(),
         lse.data_ptr(),
@@ -255,8 +247,7 @@ def _partial_cuda(
         causal,
         kv_offset,
         scale,
-        codes[q.dtype],
-        device,
-        torch.cuda.current_stream(device).cuda_stream,
+        code,
+        *launch_target(q),
     )
     return out, lse

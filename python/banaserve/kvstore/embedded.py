@@ -7,9 +7,9 @@ import secrets
 import sys
 from pathlib import Path
 
+from banaserve.kvstore import TOKEN_ENV
 from banaserve.utils.processes import ManagedProcess, free_port
 
-TOKEN_ENV = "BANASERVE_KV_STORE_TOKEN"
 START_TIMEOUT = 60.0
 
 

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
+from banaserve.kvstore import TOKEN_ENV
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     MISSING,
@@ -51,7 +52,6 @@ from banaserve.kvstore.transport.tcp import tune_socket
 
 logger = logging.getLogger("banaserve.kvstore.server")
 
-TOKEN_ENV = "BANASERVE_KV_STORE_TOKEN"
 GiB = 1 << 30
 
 
@@ -274,17 +274,7 @@ class KvStoreServer:
         await self._reply(conn, op, header.request_id, reply)
 
     def _hello(self, conn: _Connection, control: dict[str, Any]) -> dict[str, Any]:
-        if conn.authenticated:
-            raise ProtocolError("HELLO sent twice on one connection")
-        if control["version"] != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"client speaks protocol {control['version']}, server {PROTOCOL_VERSION}"
-            )
-        expected = self.config.token
-        if expected is not None:
-            offered = control.get("token") or ""
-            if not hmac.compare_digest(offered.encode(), expected.encode()):
-                raise ProtocolError("authentication failed: wrong or missing token", ErrorCode.AUTH)
+        check_hello(control, conn.authenticated, self.config.token)
         spec = control.get("shm")
         if spec is not None:
             conn.segment = _attach(spec["name"])
@@ -391,6 +381,21 @@ class KvStoreServer:
 
 def _contains_all(store: PageStore, keys: list[bytes]) -> list[bool]:
     return [store.contains(key) for key in keys]
+
+
+def check_hello(control: dict[str, Any], authenticated: bool, token: str | None) -> None:
+    """Refuse a second HELLO, another protocol version, or a wrong token (ProtocolError; the
+    token comparison takes constant time). Shared by every server transport."""
+    if authenticated:
+        raise ProtocolError("HELLO sent twice on one connection")
+    if control["version"] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"client speaks protocol {control['version']}, server {PROTOCOL_VERSION}"
+        )
+    if token is not None:
+        offered = control.get("token") or ""
+        if not hmac.compare_digest(offered.encode(), token.encode()):
+            raise ProtocolError("authentication failed: wrong or missing token", ErrorCode.AUTH)
 
 
 def read_pages(

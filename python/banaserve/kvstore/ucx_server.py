@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import logging
 import os
 import secrets
@@ -39,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from banaserve.kvstore import TOKEN_ENV
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     MISSING,
@@ -53,7 +53,7 @@ from banaserve.kvstore.protocol import (
     unpack_control,
     validate_request,
 )
-from banaserve.kvstore.server import read_pages
+from banaserve.kvstore.server import check_hello, read_pages
 from banaserve.kvstore.storage.base import PageStore
 from banaserve.kvstore.transport.base import Address
 from banaserve.kvstore.transport.ucx import (
@@ -365,17 +365,7 @@ class UcxListenerHandle:
             self._counters["bytes_out"] += data.nbytes
 
     def _hello(self, conn: _Conn, control: dict[str, Any]) -> dict[str, Any]:
-        if conn.authenticated:
-            raise ProtocolError("HELLO sent twice on one connection")
-        if control["version"] != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"client speaks protocol {control['version']}, server {PROTOCOL_VERSION}"
-            )
-        expected = self.config.token
-        if expected is not None:
-            offered = control.get("token") or ""
-            if not hmac.compare_digest(offered.encode(), expected.encode()):
-                raise ProtocolError("authentication failed: wrong or missing token", ErrorCode.AUTH)
+        check_hello(control, conn.authenticated, self.config.token)
         if control.get("shm") is not None:
             raise ProtocolError("HELLO: shared memory is not offered over ucx://", ErrorCode.SHM)
         conn.authenticated = True
@@ -468,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    token = os.environ.get("BANASERVE_KV_STORE_TOKEN") or None
+    token = os.environ.get(TOKEN_ENV) or None
     store = TieredStore(int(args.capacity_gb * (1 << 30)))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,11 +26,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from banaserve.kvstore.keys import KvLayout, Namespace, namespaced_key
+from banaserve.kvstore.keys import KvLayout, namespaced_key
+from banaserve.sglang_ext.store_attachment import instance_namespace, open_client
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV = "BANASERVE_KV_STORE_TOKEN"
 BACKEND_NAME = "banaserve"
 
 
@@ -74,19 +73,10 @@ class BanaServeKvStore(HiCacheStorage):
     threads at once (the client is thread-safe)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any]) -> None:
-        from banaserve.kvstore.client import KvStoreClient
-
         extra = storage_config.extra_config or {}
-        urls = extra.get("urls")
-        if not urls:
-            raise ValueError("the banaserve HiCache backend needs 'urls' in its extra config")
         self.config = storage_config
         self.tenant = str(extra.get("tenant", ""))
-        self.client = KvStoreClient(
-            urls,
-            token=extra.get("token") or os.environ.get(TOKEN_ENV),
-            replication=int(extra.get("replication", 1)),
-        )
+        self.client = open_client(extra, "the banaserve HiCache backend")
         self._namespace_digest: bytes | None = None
         self.mem_pool_host: Any = None
 
@@ -105,9 +95,13 @@ class BanaServeKvStore(HiCacheStorage):
             page_size=int(mem_pool_host.page_size),
         )
         config = self.config
-        model = f"{config.model_name or ''}|tp{config.tp_rank}/{config.tp_size}"
-        model += f"|pp{config.pp_rank}/{config.pp_size}"
-        self._namespace_digest = Namespace(model, self.layout, self.tenant).digest()
+        self._namespace_digest = instance_namespace(
+            config.model_name,
+            (config.tp_rank, config.tp_size),
+            (config.pp_rank, config.pp_size),
+            self.layout,
+            self.tenant,
+        )
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         if self._namespace_digest is None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from queue import Empty, Queue
@@ -48,11 +47,11 @@ from sglang.srt.mem_cache.hybrid_cache.linker_pool_assembler import _mha_device_
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
-from banaserve.kvstore.keys import KvLayout, Namespace, namespaced_key
+from banaserve.kvstore.keys import KvLayout, namespaced_key
+from banaserve.sglang_ext.store_attachment import instance_namespace, open_client
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV = "BANASERVE_KV_STORE_TOKEN"
 DEFAULT_DEPTH = 3
 
 
@@ -175,12 +174,7 @@ class BanaServeLinker(UnifiedCacheLinker):
         extra_config: dict[str, Any] | None = None,
         forward_stream: Any = None,
     ) -> None:
-        from banaserve.kvstore.client import KvStoreClient
-
         extra = dict(extra_config or {})
-        urls = extra.get("urls")
-        if not urls:
-            raise ValueError("BanaServeLinker needs 'urls' in linker_extra_config")
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
@@ -240,15 +234,12 @@ class BanaServeLinker(UnifiedCacheLinker):
         )
         pp_rank = int(getattr(params, "pp_rank", 0) or 0)
         pp_size = int(getattr(params, "pp_size", 1) or 1)
-        model = f"{model_name or ''}|tp{tp_rank}/{tp_size}|pp{pp_rank}/{pp_size}"
         self.tenant = str(extra.get("tenant", ""))
-        self._namespace_digest = Namespace(model, self.layout, self.tenant).digest()
-
-        self.client = KvStoreClient(
-            urls,
-            token=extra.get("token") or os.environ.get(TOKEN_ENV),
-            replication=int(extra.get("replication", 1)),
+        self._namespace_digest = instance_namespace(
+            model_name, (tp_rank, tp_size), (pp_rank, pp_size), self.layout, self.tenant
         )
+
+        self.client = open_client(extra, "BanaServeLinker (linker_extra_config)")
         self.layer_done_counter = BanaServeLayerCounter(self.num_layers)
         self.pending_loads: dict[str, list[PoolTransfer]] = {}
         self.offload_queue: Queue[tuple[list[PoolTransfer], list[Any]] | None] = Queue()
@@ -265,12 +256,15 @@ class BanaServeLinker(UnifiedCacheLinker):
         )
         self.offload_thread.start()
         logger.info(
-            "BanaServe linker: %d layers, page %d tokens, %d B/layer/page, model %r, urls %s",
+            "BanaServe linker: %d layers, page %d tokens, %d B/layer/page, model %r tp %d/%d, "
+            "urls %s",
             self.num_layers,
             self.page_size,
             self.layout.layer_bytes,
-            model,
-            urls,
+            model_name,
+            tp_rank,
+            tp_size,
+            self.client.urls,
         )
 
     # -- keys ----------------------------------------------------------------------------

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from banaserve.kvstore.protocol import Op
+from banaserve.kvstore.protocol import PROTOCOL_VERSION, Op
 
 SCHEMES = ("tcp", "shm", "ucx")
 
@@ -87,6 +88,21 @@ class Transport(ABC):
     @abstractmethod
     def connect(self, token: str | None) -> dict[str, Any]:
         """Open the connection and authenticate (HELLO); returns the server's HELLO reply."""
+
+    def _hello(self, token: str | None) -> dict[str, Any]:
+        """The HELLO control map; transports add what they negotiate (shm adds its segment)."""
+        client = f"pid {os.getpid()} {self.address.scheme}"
+        return {"version": PROTOCOL_VERSION, "token": token, "client": client}
+
+    def _authenticate(self, token: str | None) -> dict[str, Any]:
+        """Send HELLO on a freshly opened connection; close it if that fails."""
+        try:
+            reply = self.request(Op.HELLO, self._hello(token))
+        except BaseException:
+            self.close()
+            raise
+        self.max_payload = reply["max_payload"]
+        return reply
 
     @abstractmethod
     def request(

@@ -11,7 +11,6 @@ from typing import Any
 
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
-    PROTOCOL_VERSION,
     ErrorCode,
     Limits,
     Op,
@@ -105,16 +104,7 @@ class TcpTransport(Transport):
             sock.close()
             raise
         self._sock = sock
-        try:
-            reply = self.request(Op.HELLO, self._hello(token))
-        except BaseException:
-            self.close()
-            raise
-        self.max_payload = reply["max_payload"]
-        return reply
-
-    def _hello(self, token: str | None) -> dict[str, Any]:
-        return {"version": PROTOCOL_VERSION, "token": token, "client": f"pid {os.getpid()}"}
+        return self._authenticate(token)
 
     def request(
         self,

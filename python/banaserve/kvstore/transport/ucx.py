@@ -40,7 +40,6 @@ from typing import Any
 
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
-    PROTOCOL_VERSION,
     Limits,
     Op,
     ProtocolError,
@@ -245,15 +244,10 @@ class UcxTransport(Transport):
             wait_requests(self._worker, [recv], deadline, f"{what}: handshake")
             del knock_buf
             self._conn_id = int.from_bytes(id_buf, "little")
-            reply = self.request(Op.HELLO, self._hello(token))
         except BaseException:
             self.close()
             raise
-        self.max_payload = reply["max_payload"]
-        return reply
-
-    def _hello(self, token: str | None) -> dict[str, Any]:
-        return {"version": PROTOCOL_VERSION, "token": token, "client": f"pid {os.getpid()} ucx"}
+        return self._authenticate(token)
 
     def request(
         self,
