@@ -428,3 +428,22 @@ def test_unreachable_shards_are_misses_not_errors(caplog: pytest.LogCaptureFixtu
 
 def test_struct_sizes() -> None:
     assert HEADER_BYTES == 28 and struct.calcsize("<4sHHQIQ") == HEADER_BYTES
+
+
+def test_lookup_and_release_round_trip() -> None:
+    lookup = {"keys": [key(0)], "owner": "a", "wait_ms": 0, "lease_ms": 1, "claim": False}
+    frames = decode_frames(
+        encode_frame(Op.LOOKUP, 1, lookup) + encode_frame(Op.RELEASE, 2, {"keys": [], "owner": "a"})
+    )
+    assert [f.op for f in frames] == [Op.LOOKUP, Op.RELEASE] and frames[0].control == lookup
+    replies = decode_frames(
+        encode_frame(Op.LOOKUP, 1, {"present": [True], "claimed": [False]}, reply=True)
+        + encode_frame(Op.RELEASE, 2, {"released": []}, reply=True),
+        replies=True,
+    )
+    assert [f.op for f in replies] == [Op.LOOKUP, Op.RELEASE]
+    uneven = encode_frame(Op.LOOKUP, 1, {"present": [True], "claimed": []}, reply=True)
+    with pytest.raises(ProtocolError, match="'claimed'"):
+        decode_frames(uneven, replies=True)
+    with pytest.raises(ProtocolError, match="carries no payload"):
+        decode_frames(encode_frame(Op.LOOKUP, 1, lookup, b"x"))

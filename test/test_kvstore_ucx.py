@@ -140,3 +140,52 @@ def test_server_killed_is_a_miss() -> None:
         proc.stop()
     with client:
         assert client.get(keys, [np.zeros(PAGE, np.uint8) for _ in keys]) == [False, False]
+
+
+def test_lookup_is_a_plain_exists_over_ucx(store: UcxStoreProcess) -> None:
+    """No claims over ucx://: LOOKUP answers at once with the stored prefix, claims nothing."""
+    keys, pages = _pages(4)
+    with KvStoreClient(store.url, token=TOKEN, timeout=5.0) as a:
+        assert a.put(keys[:2], pages[:2]) == [True, True]
+        assert a.lookup(keys, owner="A", wait_s=0) == 2
+        start = time.monotonic()
+        assert a.lookup(keys, owner="B", wait_s=5) == 2  # nothing claimed: nothing to wait for
+        assert time.monotonic() - start < 2
+        assert a.release(keys, owner="A") == [False] * 4
+
+
+def test_ucx_put_wakes_tcp_waiters() -> None:
+    """A page PUT over ucx:// ends the TCP server's claim on it (``on_stored``)."""
+    import threading
+
+    from banaserve.kvstore.server import ServerConfig
+    from banaserve.kvstore.storage import TieredStore
+    from banaserve.kvstore.ucx_server import start_ucx_listener
+    from test_kvstore_server import InProcessServer
+
+    store = TieredStore(64 << 20)
+    server = InProcessServer(store, ServerConfig(token=TOKEN))
+    config = server.server.config
+    ucx = start_ucx_listener(store, config, "127.0.0.1", 0, on_stored=server.server.notify_stored)
+    keys, pages = _pages(2)
+    try:
+        with (
+            KvStoreClient(server.url, token=TOKEN) as a,
+            KvStoreClient(server.url, token=TOKEN) as b,
+            KvStoreClient(ucx.url, token=TOKEN, timeout=5.0) as u,
+        ):
+            assert a.lookup(keys, owner="A") == 0
+            found: list[int] = []
+            waiter = threading.Thread(
+                target=lambda: found.append(b.lookup(keys, owner="B", wait_s=20))
+            )
+            waiter.start()
+            time.sleep(0.3)
+            start = time.monotonic()
+            assert u.put(keys, pages) == [True, True]
+            waiter.join(10)
+            assert found == [2] and time.monotonic() - start < 3
+    finally:
+        ucx.close()
+        server.close()
+        store.close()

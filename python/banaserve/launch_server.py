@@ -17,6 +17,7 @@ from pathlib import Path
 
 from banaserve.platform import cpu_platform_wanted, install
 from banaserve.server.cli import (
+    ClusterOptions,
     KvStoreOptions,
     LaunchConfig,
     build_parser,
@@ -43,6 +44,7 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
     notes: list[str] = []
     try:
         kv_store = KvStoreOptions.from_args(ours)
+        cluster = ClusterOptions.from_args(ours)
     except ValueError as exc:
         parser.error(str(exc))
     if kv_store is not None:
@@ -82,7 +84,7 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
                 f" GiB of {size.available_bytes / 2**30:.1f} GiB available)"
             )
         notes.append("no NVIDIA driver: SGLang CPU engine")
-    return LaunchConfig(sglang_argv, [served_name, model_path], notes, kv_store)
+    return LaunchConfig(sglang_argv, [served_name, model_path], notes, kv_store, cluster)
 
 
 def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, list[str]]:
@@ -110,7 +112,7 @@ def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, lis
         return process, linker_args(urls, options.replication, options.tenant)
     from banaserve.sglang_ext.kvstore_backend import hicache_args
 
-    return process, hicache_args(urls, options.replication, options.tenant)
+    return process, hicache_args(urls, options.replication, options.tenant, options.coalesce_wait_s)
 
 
 def add_openai_request_guard(served_names: list[str]) -> None:
@@ -121,15 +123,37 @@ def add_openai_request_guard(served_names: list[str]) -> None:
     app.add_middleware(OpenAIRequestGuard, served_names=served_names)
 
 
+def run_cluster_or_exit(argv: list[str], plan: LaunchConfig) -> None:
+    from banaserve.cluster.run import run_cluster
+    from banaserve.utils.processes import ChildFailed
+
+    assert plan.cluster is not None
+    logging.getLogger("banaserve.cluster").handlers = logger.handlers
+    logging.getLogger("banaserve.cluster").setLevel(logging.INFO)
+    logging.getLogger("banaserve.cluster").propagate = False
+    args = build_parser().parse_args(argv)
+    try:
+        run_cluster(argv, args, plan.cluster, plan.kv_store, plan.served_names[1])
+    except ChildFailed as exc:
+        logger.error("the cluster failed to start: %s", exc)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("[banaserve] %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # SGLang configures the root logger with its own format
-    plan = plan_launch(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    plan = plan_launch(argv)
     for note in plan.notes:
         logger.info(note)
+    if plan.cluster is not None:
+        run_cluster_or_exit(argv, plan)
+        return
 
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins

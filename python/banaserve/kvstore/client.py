@@ -7,11 +7,16 @@ other replicas and a page no replica can serve is a miss (the caller recomputes 
 shard never raises. What does raise: :class:`KvStoreAuthError` (wrong or missing token), a
 server that refuses the protocol (version mismatch, shm across hosts), and caller errors
 (``ValueError``/``TypeError``: a key that is not 32 bytes, a buffer of the wrong size).
+
+In-flight prefix coalescing: :meth:`KvStoreClient.lookup` asks each key's primary live replica
+for it, waiting (bounded) for keys another owner is computing and claiming the missing tail
+for the caller; see :mod:`banaserve.kvstore.claims`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -23,6 +28,9 @@ from typing import Any, ClassVar, TypeVar
 from banaserve.kvstore.keys import KEY_BYTES, KvLayout
 from banaserve.kvstore.protocol import (
     MAX_KEYS_PER_FRAME,
+    MAX_LEASE_MS,
+    MAX_OWNER_CHARS,
+    MAX_WAIT_MS,
     MISSING,
     ErrorCode,
     Limits,
@@ -85,6 +93,11 @@ class _Shard:
         self._closed = False
         self.last_error = ""
 
+    @property
+    def timeout(self) -> float:
+        """Seconds each socket operation may take (a call may extend it for itself)."""
+        return self._timeout
+
     def available(self) -> bool:
         """Up, or down long enough that the next call should try it again."""
         return not self._down or time.monotonic() >= self._down_until
@@ -97,17 +110,21 @@ class _Shard:
         sink: Callable[[dict[str, Any]], Sequence[memoryview]] | None = None,
         reply_capacity: int = 0,
         check: Callable[[dict[str, Any]], object] | None = None,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """One request on a pooled connection; ``check`` vets the reply (ProtocolError: bad).
 
         Raises _Unavailable (the shard is now marked down), KvStoreAuthError, or
         KvStoreError/KvStoreRemoteError for a refusal the caller must see. Blocks for one
-        round trip, each socket operation bounded by the timeout.
+        round trip, each socket operation bounded by the timeout (``timeout`` for this call
+        only, if given: a LOOKUP that the server may hold for its wait).
         """
         if not self.available():
             raise _Unavailable(self.last_error)
         transport = self._acquire()
         try:
+            if timeout is not None:
+                _set_timeout(transport, timeout)
             reply = transport.request(op, control, payload, sink, reply_capacity)
             if check is not None:
                 check(reply)
@@ -123,6 +140,8 @@ class _Shard:
             self._mark_up()  # before the release, which pools connections of live shards only
             return reply
         finally:
+            if timeout is not None and transport.connected:
+                _set_timeout(transport, self._timeout)
             self._release(transport)
 
     def _acquire(self) -> Transport:
@@ -232,6 +251,10 @@ class KvStoreClient:
     RETRY_AFTER_S: ClassVar[float] = 2.0
     MAX_RETRY_AFTER_S: ClassVar[float] = 30.0
     CONNECTIONS_PER_SHARD: ClassVar[int] = 4
+    #: Connections per shard for :meth:`lookup` only, apart from the others: a lookup may be
+    #: held by the server while it waits, and must never keep the PUT it waits for (from
+    #: this same client) from getting a connection or a thread.
+    LOOKUP_CONNECTIONS_PER_SHARD: ClassVar[int] = 16
 
     def __init__(
         self,
@@ -263,6 +286,18 @@ class KvStoreClient:
             )
             for a in addresses
         ]
+        # Same servers, own pools (see LOOKUP_CONNECTIONS_PER_SHARD); connected on first use.
+        self._lookup_shards = [
+            _Shard(
+                a,
+                token,
+                timeout,
+                self.LOOKUP_CONNECTIONS_PER_SHARD,
+                self.RETRY_AFTER_S,
+                self.MAX_RETRY_AFTER_S,
+            )
+            for a in addresses
+        ]
         endpoints = [a.endpoint for a in addresses]
         if len(set(endpoints)) != len(endpoints):
             raise ValueError(f"shard URLs {list(urls)} name the same server more than once")
@@ -272,6 +307,14 @@ class KvStoreClient:
             ThreadPoolExecutor(
                 len(self._shards) * self.CONNECTIONS_PER_SHARD,
                 thread_name_prefix="kvstore-client",
+            )
+            if len(self._shards) > 1
+            else None
+        )
+        self._lookup_pool = (
+            ThreadPoolExecutor(
+                len(self._shards) * self.LOOKUP_CONNECTIONS_PER_SHARD,
+                thread_name_prefix="kvstore-lookup",
             )
             if len(self._shards) > 1
             else None
@@ -309,6 +352,111 @@ class KvStoreClient:
         """How many leading keys (a chained prefix) are stored."""
         present = self.exists(keys)
         return next((i for i, hit in enumerate(present) if not hit), len(present))
+
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        *,
+        owner: str,
+        wait_s: float = 0.0,
+        lease_s: float = 30.0,
+        claim: bool = True,
+    ) -> int:
+        """How many leading keys (a chained prefix) are stored, after waiting up to ``wait_s``
+        for keys another owner is computing; with ``claim``, the missing tail is claimed for
+        ``owner`` for ``lease_s`` seconds, so other lookups wait for this caller's PUT.
+
+        ``owner`` names the computation that will PUT the missing pages (1 to 256 chars): an
+        instance id, or a request id to coalesce requests within one instance too (a lookup
+        never waits for its own owner's claims; it renews them). The caller that got claims
+        should PUT those pages (which ends the claims and wakes the waiters) or
+        :meth:`release` them if it gives up; otherwise they end with the lease, or when this
+        client closes (the claims are tied to its connections).
+
+        Each key is asked of its primary live replica only (claims on one server per key are
+        enough, as every client sends the key's LOOKUP there); shards are asked in parallel,
+        each with its keys in their original order and the whole ``wait_s`` budget. So a shard
+        may wait for key j while a key i < j on another shard is missing (time spent for
+        nothing, never a wrong answer), and each shard claims its own missing tail: together,
+        every missing key from the first missing one on (all of which the caller computes).
+        Keys of a down shard are missing and unclaimed; a key stored only on a non-primary
+        replica counts as missing. Never raises for a down shard. Blocks up to about
+        ``wait_s`` (plus the timeout, for a server that hangs); ``wait_s`` = 0: one round trip.
+        """
+        keys = _check_keys(keys)
+        if not isinstance(owner, str) or not 0 < len(owner) <= MAX_OWNER_CHARS:
+            raise ValueError(f"owner must be a str of 1 to {MAX_OWNER_CHARS} characters")
+        if not 0 <= wait_s <= MAX_WAIT_MS / 1000:
+            raise ValueError(f"wait_s must be in [0, {MAX_WAIT_MS / 1000:g}], got {wait_s}")
+        if not 0 < lease_s <= MAX_LEASE_MS / 1000:
+            raise ValueError(f"lease_s must be in (0, {MAX_LEASE_MS / 1000:g}], got {lease_s}")
+        lease_ms = min(MAX_LEASE_MS, max(1, round(lease_s * 1000)))
+        deadline = time.monotonic() + wait_s
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, key in enumerate(keys):
+            for s in self._ring.replica_indices(key, self.replication):
+                if self._shards[s].available() and self._lookup_shards[s].available():
+                    groups[s].append(i)
+                    break
+
+        def ask(shard: _Shard, idx: list[int]) -> list[bool]:
+            out: list[bool] = []
+            missed = False
+            for chunk in _chunks(idx, [0] * len(keys), shard.max_payload):
+                # One deadline for the whole call; no waiting past a miss (useless past it).
+                left = 0.0 if missed else max(0.0, deadline - time.monotonic())
+                control = {
+                    "keys": [keys[i] for i in chunk],
+                    "owner": owner,
+                    "wait_ms": min(MAX_WAIT_MS, math.ceil(left * 1000)),
+                    "lease_ms": lease_ms,
+                    "claim": claim,
+                }
+                reply = shard.call(
+                    Op.LOOKUP,
+                    control,
+                    check=_lookup_check(len(chunk)),
+                    timeout=shard.timeout + left,
+                )
+                out += reply["present"]
+                missed = missed or not all(reply["present"])
+            return out
+
+        present = [False] * len(keys)
+        results = self._fan_out(groups, ask, self._lookup_shards, self._lookup_pool)
+        for s, result in results.items():
+            for i, hit in zip(groups[s], result or (), strict=False):
+                present[i] = hit
+        return next((i for i, hit in enumerate(present) if not hit), len(present))
+
+    def release(self, keys: Sequence[bytes], owner: str) -> list[bool]:
+        """End ``owner``'s claims on ``keys`` (a computation given up), so that waiters stop
+        waiting and compute them. True where a claim was ended; a down shard's keys: False."""
+        keys = _check_keys(keys)
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, key in enumerate(keys):
+            for s in self._ring.replica_indices(key, self.replication):
+                if self._lookup_shards[s].available():
+                    groups[s].append(i)
+                    break
+
+        def ask(shard: _Shard, idx: list[int]) -> list[bool]:
+            out: list[bool] = []
+            for chunk in _chunks(idx, [0] * len(keys), shard.max_payload):
+                reply = shard.call(
+                    Op.RELEASE,
+                    {"keys": [keys[i] for i in chunk], "owner": owner},
+                    check=_length_check("released", len(chunk), Op.RELEASE),
+                )
+                out += reply["released"]
+            return out
+
+        released = [False] * len(keys)
+        results = self._fan_out(groups, ask, self._lookup_shards, self._lookup_pool)
+        for s, result in results.items():
+            for i, ok in zip(groups[s], result or (), strict=False):
+                released[i] = ok
+        return released
 
     def get(
         self,
@@ -432,10 +580,11 @@ class KvStoreClient:
 
     def close(self) -> None:
         """Close every idle connection (busy ones close when returned); idempotent."""
-        for shard in self._shards:
+        for shard in (*self._shards, *self._lookup_shards):
             shard.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        for pool in (self._pool, self._lookup_pool):
+            if pool is not None:
+                pool.shutdown(wait=False)
 
     def __enter__(self) -> KvStoreClient:
         return self
@@ -480,24 +629,31 @@ class KvStoreClient:
         return found
 
     def _fan_out(
-        self, groups: dict[int, Any], fn: Callable[[_Shard, Any], T]
+        self,
+        groups: dict[int, Any],
+        fn: Callable[[_Shard, Any], T],
+        shards: list[_Shard] | None = None,
+        pool: ThreadPoolExecutor | None = None,
     ) -> dict[int, T | None]:
         """``fn(shard, group)`` per shard, in parallel; None for a shard that was unavailable.
 
-        Other exceptions are raised once every shard has finished (no call is left running
-        on a caller's buffers after this returns).
+        ``shards`` and ``pool``: the lookup ones for lookups, else the regular ones. Other
+        exceptions are raised once every shard has finished (no call is left running on a
+        caller's buffers after this returns).
         """
+        shards = self._shards if shards is None else shards
+        pool = self._pool if pool is None else pool
 
         def guarded(s: int) -> T | None:
             try:
-                return fn(self._shards[s], groups[s])
+                return fn(shards[s], groups[s])
             except _Unavailable:
                 return None
 
-        if self._pool is None or len(groups) <= 1:
+        if pool is None or len(groups) <= 1:
             return {s: guarded(s) for s in groups}
         first, *rest = groups
-        futures = {s: self._pool.submit(guarded, s) for s in rest}
+        futures = {s: pool.submit(guarded, s) for s in rest}
         results: dict[int, T | None] = {}
         error: BaseException | None = None
         try:  # the calling thread serves one shard itself rather than wait idle
@@ -588,6 +744,28 @@ def _chunks(idx: list[int], sizes: Sequence[int], max_bytes: int) -> Iterator[li
         total += sizes[i]
     if chunk:
         yield chunk
+
+
+def _lookup_check(n: int) -> Callable[[dict[str, Any]], None]:
+    """A LOOKUP reply check: one ``present`` and one ``claimed`` per key sent."""
+    present = _length_check("present", n, Op.LOOKUP)
+    claimed = _length_check("claimed", n, Op.LOOKUP)
+
+    def check(reply: dict[str, Any]) -> None:
+        present(reply)
+        claimed(reply)
+
+    return check
+
+
+def _set_timeout(transport: Transport, seconds: float) -> None:
+    """Set the per-operation timeout of a connected transport. Transports take it once, at
+    construction, so this sets what each reads: ``timeout`` (ucx:// reads it per wait) and,
+    over tcp:// and shm://, the socket's own timeout (set at connect)."""
+    transport.timeout = seconds  # type: ignore[attr-defined]
+    sock = getattr(transport, "_sock", None)
+    if sock is not None:
+        sock.settimeout(seconds)
 
 
 def _length_check(field: str, n: int, op: Op) -> Callable[[dict[str, Any]], None]:

@@ -43,6 +43,12 @@ MAX_SHM_NAME = 200
 #: GET reply size of a key that is missing (or not of the requested length).
 MISSING = -1
 
+#: Longest a LOOKUP may wait for claimed keys, and longest lease it may take, in ms.
+MAX_WAIT_MS = 120_000
+MAX_LEASE_MS = 120_000
+#: Longest claim owner name (an instance or request id), in characters.
+MAX_OWNER_CHARS = 256
+
 
 class Op(enum.IntEnum):
     """Operations, with their control maps (request -> reply). Keys are 32-byte bins.
@@ -57,6 +63,18 @@ class Op(enum.IntEnum):
                 result, else its size is MISSING.
     PUT         {keys, sizes: [int], shm?: bool} + sum(sizes) bytes -> {stored: [bool]}.
     STATS       {} -> {store: StoreStats fields, server: {...}}.
+    LOOKUP      {keys, owner: str, wait_ms: int, lease_ms: int, claim: bool} ->
+                {present: [bool], claimed: [bool]}. In-flight prefix coalescing (see
+                :mod:`banaserve.kvstore.claims`): walks ``keys`` (a chained prefix) in order; a
+                key that is not stored but claimed by another owner is waited on until it is
+                stored, its claim ends, or ``wait_ms`` after the request arrived (one deadline
+                for the request). Waiting stops at the first key still missing; with ``claim``
+                every key from there on that is neither stored nor validly claimed by another
+                owner is claimed for ``owner`` for ``lease_ms`` (the same owner renews).
+                ``claimed[i]``: ``owner`` now holds key i. 0 <= wait_ms <= MAX_WAIT_MS,
+                0 < lease_ms <= MAX_LEASE_MS, 0 < len(owner) <= MAX_OWNER_CHARS.
+    RELEASE     {keys, owner: str} -> {released: [bool]}: end ``owner``'s claims on ``keys``
+                (a computation given up), waking whoever waits on them.
     ERROR       (reply only) {code: ErrorCode value, message}; the server then closes.
 
     With ``shm`` true the payload bytes sit at offset 0 of the connection's segment and the
@@ -69,6 +87,8 @@ class Op(enum.IntEnum):
     PUT = 4
     STATS = 5
     SHM_ATTACH = 6
+    LOOKUP = 7
+    RELEASE = 8
     ERROR = 0xFF
 
 
@@ -257,6 +277,22 @@ def _flag(control: dict[str, Any], name: str, op: Op) -> bool:
     return bool(_field(control, name, bool, op)) if name in control else False
 
 
+def _bounded_int(control: dict[str, Any], name: str, lo: int, hi: int, op: Op) -> int:
+    value = _field(control, name, int, op)
+    if not lo <= value <= hi:
+        raise ProtocolError(f"{op.name}: {name!r} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _owner(control: dict[str, Any], op: Op) -> str:
+    owner = _field(control, "owner", str, op)
+    if not 0 < len(owner) <= MAX_OWNER_CHARS:
+        raise ProtocolError(
+            f"{op.name}: 'owner' must be 1 to {MAX_OWNER_CHARS} characters, got {len(owner)}"
+        )
+    return owner
+
+
 def payload_bytes(op: Op, control: dict[str, Any], *, reply: bool) -> int:
     """Payload bytes a validated control map implies, wherever they travel (socket or shm).
 
@@ -343,6 +379,17 @@ def validate_request(
         _payload_matches(op, header.payload_len, total, _flag(control, "shm", op))
     elif op is Op.STATS:
         _no_payload(op, header.payload_len)
+    elif op is Op.LOOKUP:
+        _no_payload(op, header.payload_len)
+        _keys(control, op)
+        _owner(control, op)
+        _bounded_int(control, "wait_ms", 0, MAX_WAIT_MS, op)
+        _bounded_int(control, "lease_ms", 1, MAX_LEASE_MS, op)
+        _field(control, "claim", bool, op)
+    elif op is Op.RELEASE:
+        _no_payload(op, header.payload_len)
+        _keys(control, op)
+        _owner(control, op)
     else:  # pragma: no cover - decode_header only lets known ops through
         raise ProtocolError(f"unknown op {op}")
     return control
@@ -391,6 +438,15 @@ def validate_reply(
         _field(control, "server", dict, op)
     elif op is Op.SHM_ATTACH:
         _no_payload(op, header.payload_len)
+    elif op is Op.LOOKUP:
+        _no_payload(op, header.payload_len)
+        present = _bool_list(control, "present", op)
+        claimed = _bool_list(control, "claimed", op)
+        if len(present) != len(claimed):
+            raise ProtocolError(f"LOOKUP: {len(present)} 'present' but {len(claimed)} 'claimed'")
+    elif op is Op.RELEASE:
+        _no_payload(op, header.payload_len)
+        _bool_list(control, "released", op)
     return control
 
 

@@ -6,6 +6,11 @@ Concurrency: every connection is an asyncio task on one event loop; a connection
 request at a time, in order. Store calls run on a small thread pool, one batch per request,
 because the SSD tier may block on disk and the event loop must keep serving other connections.
 
+In-flight prefix coalescing (LOOKUP, RELEASE; see :mod:`banaserve.kvstore.claims`): the
+server keeps a :class:`ClaimTable` on its event loop. A LOOKUP that waits for a claimed key
+suspends only its own connection's task (other connections keep being served); a PUT ends the
+claims on its keys and wakes their waiters; a closed connection ends the claims it made.
+
 A frame is checked in full before it has any effect: header bounds before the control map is
 read, the control map's schema before the payload is allocated, the whole payload before the
 first page of a PUT is stored. Anything wrong gets an ERROR reply (when the peer still listens)
@@ -24,12 +29,14 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 from banaserve.kvstore import TOKEN_ENV
+from banaserve.kvstore.claims import DEFAULT_MAX_CLAIMS, ClaimTable
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     MISSING,
@@ -68,6 +75,8 @@ class ServerConfig:
     #: Call the store on the event loop itself. Right for a RAM-only store, whose calls never
     #: wait on disk (it saves a thread hop per request); with an SSD tier calls go to threads.
     store_inline: bool = False
+    #: Keys the in-flight claim table holds at most (LOOKUP with ``claim``).
+    max_claims: int = DEFAULT_MAX_CLAIMS
     #: Reported by STATS so an operator sees what the store was started with.
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -81,6 +90,8 @@ class _Connection:
         self.authenticated = False
         self.request_id = 0
         self.segment: shared_memory.SharedMemory | None = None
+        #: Seen closed by its peer while a LOOKUP of it waited (see KvStoreServer._watch_eof).
+        self.gone = False
 
     def detach(self) -> None:
         segment, self.segment = self.segment, None
@@ -111,7 +122,20 @@ class KvStoreServer:
             self.config.store_threads, thread_name_prefix="kvstore-store"
         )
         self._started = time.monotonic()
-        self._counters = {"requests": 0, "bytes_in": 0, "bytes_out": 0, "refused": 0}
+        self._counters = {
+            "requests": 0,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "refused": 0,
+            "claims": 0,  # keys claimed (renewals included)
+            "claim_waits": 0,  # LOOKUPs that waited for a key claimed by another owner
+            "coalesced": 0,  # keys that became present during such a wait: computations saved
+            "wait_timeouts": 0,  # LOOKUPs whose wait ran out with the key still claimed
+        }
+        # Touched only on the serving loop (``self._loop``); other threads go through
+        # notify_stored.
+        self.claims = ClaimTable(self.config.max_claims)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.address: Address | None = None
 
     @property
@@ -133,8 +157,18 @@ class KvStoreServer:
             raise
         self._listener = listener
         self.address = Address("tcp", self.config.host, listener.getsockname()[1])
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._loop = asyncio.get_running_loop()
+        self._accept_task = self._loop.create_task(self._accept_loop())
         return self.address
+
+    def notify_stored(self, keys: list[bytes]) -> None:
+        """Keys stored by another path to the same store (the ucx:// listener's thread): end
+        their claims and wake their waiters. Thread-safe; returns at once."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(self.claims.stored, keys)
 
     async def close(self) -> None:
         if self._accept_task is not None:
@@ -184,6 +218,7 @@ class KvStoreServer:
             logger.debug("connection %s lost: %s", peer, exc)
         finally:
             self._connections.discard(conn)
+            self.claims.drop_holder(conn)  # a dead client must not hold up the others
             conn.detach()
             sock.close()
 
@@ -269,6 +304,11 @@ class KvStoreServer:
             reply = {"stored": await self._put(conn, control, payload)}
         elif op is Op.STATS:
             reply = {"store": asdict(self.store.stats()), "server": self._info()}
+        elif op is Op.LOOKUP:
+            reply = await self._lookup(conn, control)
+        elif op is Op.RELEASE:
+            owner = control["owner"]
+            reply = {"released": [self.claims.release(key, owner) for key in control["keys"]]}
         else:  # pragma: no cover - validate_request lets only the ops above through
             raise ProtocolError(f"unhandled op {op.name}")
         await self._reply(conn, op, header.request_id, reply)
@@ -324,6 +364,81 @@ class KvStoreServer:
         )
         self._counters["bytes_out"] += await aio.send_views(loop, conn.sock, [head, *found])
 
+    async def _lookup(self, conn: _Connection, control: dict[str, Any]) -> dict[str, Any]:
+        """LOOKUP (see :class:`Op`): wait for keys claimed by others, then claim the missing
+        tail for ``owner``, tied to ``conn``.
+
+        One store call for the whole batch in the common case, one more per key waited on.
+        A claim is looked at *before* the store is asked, so a PUT landing in between is
+        seen either as the key present or as the claim ended (never as neither): a waiter
+        cannot miss a page that was stored while it looked.
+        """
+        claims, counters = self.claims, self._counters
+        keys: list[bytes] = control["keys"]
+        owner: str = control["owner"]
+        deadline = claims.clock() + control["wait_ms"] / 1000
+        held = [claims.holder(key) for key in keys]
+        present: list[bool] = await self._in_store(_contains_all, self.store, keys)
+        first_miss, timed_out = len(keys), False
+        unwatch: Callable[[], None] | None = None
+        try:
+            for i, key in enumerate(keys):
+                claim = held[i]
+                while not present[i] and claim is not None and claim.owner != owner:
+                    if claims.clock() >= deadline or conn.gone:
+                        timed_out = not conn.gone
+                        break
+                    if unwatch is None:
+                        counters["claim_waits"] += 1
+                        unwatch = self._watch_eof(conn)
+                    await claims.wait(claim, deadline)
+                    claim = claims.holder(key)
+                    (present[i],) = await self._in_store(_contains_all, self.store, [key])
+                    counters["coalesced"] += present[i]
+                if not present[i]:
+                    first_miss = i
+                    break
+        finally:
+            if unwatch is not None:
+                unwatch()
+        counters["wait_timeouts"] += timed_out
+        claimed = [False] * len(keys)
+        if control["claim"] and not conn.gone:
+            lease_s = control["lease_ms"] / 1000
+            for j in range(first_miss, len(keys)):
+                if not present[j]:
+                    # After a wait that ran out, take over: this caller computes the tail now,
+                    # and the owner it waited for has not delivered in time.
+                    claimed[j] = claims.claim(keys[j], owner, conn, lease_s, force=timed_out)
+            counters["claims"] += sum(claimed)
+        return {"present": present, "claimed": claimed}
+
+    def _watch_eof(self, conn: _Connection) -> Callable[[], None]:
+        """While a LOOKUP of ``conn`` waits, its task reads nothing, so it would notice its
+        peer dying only after the wait. Watch the socket meanwhile: on EOF (or an error) end
+        the claims ``conn`` made at once, so whoever waits on them stops. Returns the undo.
+
+        Data arriving instead (a client pipelining its next frame) just ends the watch: the
+        bytes stay queued for ``_converse`` (MSG_PEEK).
+        """
+        loop = asyncio.get_running_loop()
+        fd = conn.sock.fileno()
+
+        def readable() -> None:
+            try:
+                data = conn.sock.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            loop.remove_reader(fd)
+            if not data:
+                conn.gone = True
+                self.claims.drop_holder(conn)
+
+        loop.add_reader(fd, readable)
+        return lambda: loop.remove_reader(fd)
+
     async def _put(
         self, conn: _Connection, control: dict[str, Any], payload: bytearray | None
     ) -> list[bool]:
@@ -345,7 +460,12 @@ class KvStoreServer:
             values.append(bytes(source[offset : offset + size]))
             offset += size
         del source
-        return await self._in_store(_put_all, self.store, control["keys"], values)
+        try:
+            return await self._in_store(_put_all, self.store, control["keys"], values)
+        finally:
+            # Stored or refused (too big), or the store failed: either way the computation
+            # behind the claim is over, so its waiters look again (and claim it if missing).
+            self.claims.stored(control["keys"])
 
     async def _reply(
         self, conn: _Connection, op: Op, request_id: int, control: dict[str, Any]
@@ -372,6 +492,8 @@ class KvStoreServer:
             "connections": len(self._connections),
             "max_payload": self.config.limits.max_payload,
             **self._counters,
+            "claims_expired": self.claims.expired,
+            "claims_held": len(self.claims),
             **self.config.info,
         }
 
@@ -565,7 +687,14 @@ async def serve(args: argparse.Namespace) -> None:
 
             ucx_port = args.ucx_port or server.address.port + 1
             # Blocks until listening (the first UCX context takes ~0.5 s): keep it off the loop.
-            ucx = await asyncio.to_thread(start_ucx_listener, store, config, args.host, ucx_port)
+            ucx = await asyncio.to_thread(
+                start_ucx_listener,
+                store,
+                config,
+                args.host,
+                ucx_port,
+                on_stored=server.notify_stored,
+            )
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -18,6 +18,12 @@ each control map goes through ``validate_request`` before any payload buffer is 
 PUT's whole payload arrives before the first page is stored. Anything wrong gets an ERROR reply
 and the connection is closed. Wire mapping and tags: see :mod:`banaserve.kvstore.transport.ucx`.
 
+In-flight prefix coalescing is not offered here: LOOKUP is answered like EXISTS (no waiting,
+``claimed`` all False, so a ucx:// client computes what is missing, as before) and RELEASE
+releases nothing. Waiting would need a timer-driven state machine in this thread; claims are
+the TCP server's. A PUT over ucx:// does end the TCP server's claims on its keys (through
+``on_stored``), so tcp:// waiters are not kept waiting for pages stored over ucx://.
+
 Limits of UCX without endpoint error handling: the server does not learn that a client
 crashed (a client that closes says BYE); such a connection keeps an endpoint and a 28-byte
 receive until the server stops. UCX listens on every interface whatever ``host`` says (ucxx
@@ -35,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -118,9 +125,17 @@ class _Conn:
 class UcxListenerHandle:
     """A running ucx:// listener; :meth:`close` stops it. Made by :func:`start_ucx_listener`."""
 
-    def __init__(self, store: PageStore, config: Any, host: str, port: int) -> None:
+    def __init__(
+        self,
+        store: PageStore,
+        config: Any,
+        host: str,
+        port: int,
+        on_stored: Callable[[list[bytes]], None] | None = None,
+    ) -> None:
         self.store = store
         self.config = config
+        self._on_stored = on_stored
         self.host = host
         self._requested_port = port
         self.address: Address | None = None
@@ -331,9 +346,19 @@ class UcxListenerHandle:
             reply = {"sizes": [MISSING if v is None else v.nbytes for v in found]}
             views = [v for v in found if v is not None and v.nbytes]
         elif op is Op.PUT:
-            reply = {"stored": _put_all(self.store, control["keys"], control["sizes"], payload)}
+            try:
+                stored = _put_all(self.store, control["keys"], control["sizes"], payload)
+            finally:
+                if self._on_stored is not None:  # thread-safe, returns at once
+                    self._on_stored(list(control["keys"]))
+            reply = {"stored": stored}
         elif op is Op.STATS:
             reply = {"store": asdict(self.store.stats()), "server": self._info()}
+        elif op is Op.LOOKUP:  # no claims over ucx:// (module docstring): a plain EXISTS
+            present = [self.store.contains(key) for key in control["keys"]]
+            reply = {"present": present, "claimed": [False] * len(present)}
+        elif op is Op.RELEASE:
+            reply = {"released": [False] * len(control["keys"])}
         else:  # SHM_ATTACH: meaningless without a shared segment
             raise ProtocolError(f"{op.name} is not offered over ucx://")
         self._send_frame(conn, op, header.request_id, reply, views)
@@ -410,18 +435,24 @@ class UcxListenerHandle:
 
 
 def start_ucx_listener(
-    store: PageStore, config: ServerConfig | Any, host: str, port: int
+    store: PageStore,
+    config: ServerConfig | Any,
+    host: str,
+    port: int,
+    on_stored: Callable[[list[bytes]], None] | None = None,
 ) -> UcxListenerHandle:
     """Serve ``store`` (the caller owns and closes it, after closing the handle) over ucx://.
 
     ``config``: the TCP server's ``ServerConfig`` (reads ``token``, ``limits``,
     ``hello_timeout``, ``info``). ``port`` 0 picks a free one (``handle.port``); the convention
-    is the TCP port + 1. ``host`` only names the URL: UCX listens on every interface. Blocks
+    is the TCP port + 1. ``host`` only names the URL: UCX listens on every interface.
+    ``on_stored(keys)``, called on the listener's thread after each PUT, must be thread-safe
+    and quick (the TCP server's ``notify_stored`` ends the claims on those keys). Blocks
     until listening (ucxx start-up, well under a second after the first context); raises
     KvStoreError when ucxx is missing and OSError/UCX errors when the port cannot be had.
     """
     import_libucxx(f"ucx://{host}:{port}")
-    handle = UcxListenerHandle(store, config, host, port)
+    handle = UcxListenerHandle(store, config, host, port, on_stored)
     handle._thread.start()
     handle._ready.wait()
     if handle._error is not None:

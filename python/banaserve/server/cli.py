@@ -13,6 +13,18 @@ from dataclasses import dataclass, field
 
 PROG = "python -m banaserve.launch_server"
 KV_STORE_MODES = ("hicache", "linker")
+#: Kept in step with banaserve.router.policies.POLICY_NAMES (a test checks): importing the
+#: router here would slow every instance's start-up for a list of names.
+ROUTER_POLICIES = ("load_aware", "cache_aware", "round_robin")
+#: BanaServe flags that take a value / take none; used to rewrite an argv for instances.
+CLUSTER_VALUE_FLAGS = (
+    "--num-prefill",
+    "--num-decode",
+    "--router-policy",
+    "--handoff-min-tokens",
+    "--cluster-log-dir",
+)
+CLUSTER_SWITCHES = ("--cpu-affinity",)
 
 
 @dataclass(frozen=True)
@@ -23,6 +35,35 @@ class LaunchConfig:
     served_names: list[str]
     notes: list[str] = field(default_factory=list)
     kv_store: KvStoreOptions | None = None
+    cluster: ClusterOptions | None = None
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """``--num-prefill/--num-decode`` and friends: run a disaggregated cluster."""
+
+    num_prefill: int
+    num_decode: int
+    router_policy: str
+    cpu_affinity: bool
+    handoff_min_tokens: int
+    log_dir: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
+        if args.num_prefill is None and args.num_decode is None:
+            return None
+        prefill, decode = args.num_prefill or 0, args.num_decode or 0
+        if prefill < 0 or decode < 0:
+            raise ValueError("--num-prefill and --num-decode must not be negative")
+        if prefill + decode == 0:
+            raise ValueError("a cluster needs at least one instance (--num-prefill/--num-decode)")
+        if args.handoff_min_tokens < 0:
+            raise ValueError("--handoff-min-tokens must not be negative")
+        return cls(
+            prefill, decode, args.router_policy, args.cpu_affinity,
+            args.handoff_min_tokens, args.cluster_log_dir,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -36,6 +77,7 @@ class KvStoreOptions:
     capacity_gb: float
     tenant: str
     mode: str = "hicache"
+    coalesce_wait_s: float = 30.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KvStoreOptions | None:
@@ -46,6 +88,8 @@ class KvStoreOptions:
         for url in urls:
             if "://" not in url:
                 raise ValueError(f"--kv-store: {url!r} is not a URL like tcp://host:port")
+        if args.kv_store_coalesce_wait_s < 0:
+            raise ValueError("--kv-store-coalesce-wait-s must not be negative")
         if args.kv_store_replication < 1:
             raise ValueError("--kv-store-replication must be at least 1")
         if not embedded and args.kv_store_replication > len(urls):
@@ -56,6 +100,7 @@ class KvStoreOptions:
         return cls(
             urls, embedded, args.kv_store_token, args.kv_store_replication,
             args.kv_store_capacity_gb, args.kv_store_tenant, args.kv_store_mode,
+            args.kv_store_coalesce_wait_s,
         )  # fmt: skip
 
 
@@ -115,6 +160,55 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         "the forward waiting per layer; MHA models only).",
     )
 
+    store.add_argument(
+        "--kv-store-coalesce-wait-s",
+        type=float,
+        default=30.0,
+        help="When a prompt's pages are being computed by another request (on any instance), "
+        "wait up to this long for them to reach the store instead of computing them again "
+        "(default: 30; 0 turns coalescing off).",
+    )
+    cluster = parser.add_argument_group("BanaServe cluster")
+    cluster.add_argument(
+        "--num-prefill",
+        type=int,
+        default=None,
+        help="Run a disaggregated cluster with this many prefill instances, behind a gateway "
+        "on --port that speaks SGLang's HTTP API.",
+    )
+    cluster.add_argument(
+        "--num-decode",
+        type=int,
+        default=None,
+        help="Decode instances of the cluster (KV handed over through the store).",
+    )
+    cluster.add_argument(
+        "--router-policy",
+        choices=ROUTER_POLICIES,
+        default="load_aware",
+        help="How the gateway picks instances: 'load_aware' (the default: least loaded, "
+        "ignoring cache affinity since the store shares every prefix), 'cache_aware' "
+        "(sglang-router's prefix-affinity policy) or 'round_robin'.",
+    )
+    cluster.add_argument(
+        "--cpu-affinity",
+        action="store_true",
+        help="Pin each instance to its own share of this process's CPU cores (taskset), with "
+        "OMP_NUM_THREADS set to match.",
+    )
+    cluster.add_argument(
+        "--handoff-min-tokens",
+        type=int,
+        default=256,
+        help="Prompts at least this long go through a prefill instance; shorter ones go "
+        "straight to a decode instance (default: 256, SGLang's store prefetch threshold).",
+    )
+    cluster.add_argument(
+        "--cluster-log-dir",
+        default=None,
+        help="Folder for the instances' logs (default: a new temporary folder).",
+    )
+
 
 def build_parser() -> argparse.ArgumentParser:
     """SGLang's server parser with BanaServe's group; ``--model-path`` becomes optional."""
@@ -138,3 +232,23 @@ def split_banaserve_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_banaserve_args(parser)
     return parser.parse_known_args(argv)
+
+
+def drop_flags(
+    argv: list[str], value_flags: tuple[str, ...], switches: tuple[str, ...] = ()
+) -> list[str]:
+    """``argv`` without the given flags (``--flag value``, ``--flag=value`` and switches)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in switches:
+            continue
+        if name in value_flags:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out

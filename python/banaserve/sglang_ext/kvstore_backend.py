@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,14 +29,20 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from banaserve.kvstore.keys import KvLayout, namespaced_key
+from banaserve.sglang_ext import request_context
 from banaserve.sglang_ext.store_attachment import instance_namespace, open_client
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "banaserve"
+#: How long a claim on missing pages holds without the pages arriving: past it, a request
+#: waiting for them computes them itself. Longer than a prefill takes here under load.
+CLAIM_LEASE_S = 60.0
 
 
-def hicache_args(urls: Sequence[str], replication: int = 1, tenant: str = "") -> list[str]:
+def hicache_args(
+    urls: Sequence[str], replication: int = 1, tenant: str = "", coalesce_wait_s: float = 0.0
+) -> list[str]:
     """SGLang flags that attach an instance to the store at ``urls``.
 
     The token is not among them (it would show in ``ps``): the backend reads it from
@@ -48,6 +56,7 @@ def hicache_args(urls: Sequence[str], replication: int = 1, tenant: str = "") ->
         "urls": list(urls),
         "replication": replication,
         "tenant": tenant,
+        "coalesce_wait_s": coalesce_wait_s,
     }
     return [
         "--enable-hierarchical-cache",
@@ -77,6 +86,10 @@ class BanaServeKvStore(HiCacheStorage):
         self.config = storage_config
         self.tenant = str(extra.get("tenant", ""))
         self.client = open_client(extra, "the banaserve HiCache backend")
+        self.coalesce_wait_s = float(extra.get("coalesce_wait_s", 0.0))
+        self._owner_prefix = f"{socket.gethostname()}:{os.getpid()}:{storage_config.tp_rank}"
+        if self.coalesce_wait_s > 0:
+            request_context.install()
         self._namespace_digest: bytes | None = None
         self.mem_pool_host: Any = None
 
@@ -119,7 +132,20 @@ class BanaServeKvStore(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        return self.client.longest_prefix(self._keys(keys))
+        """Leading pages in the store. With coalescing on, pages that another request (here
+        or on any instance) is computing are waited for, up to ``coalesce_wait_s``, and the
+        missing tail is claimed for this request, which will compute and store it. Runs on
+        SGLang's prefetch thread, so a wait delays only requests still waiting for their
+        prefetch, never the running batch."""
+        request_id = request_context.current_request_id()
+        if self.coalesce_wait_s <= 0 or request_id is None:
+            return self.client.longest_prefix(self._keys(keys))
+        return self.client.lookup(
+            self._keys(keys),
+            owner=f"{self._owner_prefix}/{request_id}",
+            wait_s=self.coalesce_wait_s,
+            lease_s=CLAIM_LEASE_S,
+        )
 
     def batch_get_v1(
         self,

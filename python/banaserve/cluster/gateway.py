@@ -1,0 +1,382 @@
+"""The cluster's HTTP front: SGLang's API on one port, routed over prefill and decode instances.
+
+Per generation request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``):
+
+1. *Prefill* (prompts of at least ``handoff_min_tokens``): one token of the request on the
+   prefill instance the policy picks; that instance writes the prompt's KV pages to the store.
+   A prefill that cannot be reached is retried on another; if none answers, step 2 computes
+   the prompt itself (slower, never wrong). A 4xx (bad input) goes back to the client as is.
+2. *Decode*: the unchanged request on the decode instance the policy picks, whose answer
+   (streamed or not) goes back to the client byte for byte. With no decode instance healthy,
+   a prefill instance serves the whole request, so the cluster keeps serving.
+
+Faults: an instance that refuses connections leaves routing at once, one whose polls fail
+within a few seconds (:mod:`banaserve.cluster.load_board`). A request is retried on another
+instance while nothing has reached the client; after that the stream ends with an error
+event. A client never waits on an instance that has left routing: its request is cut loose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from banaserve.cluster.load_board import LoadBoard
+from banaserve.cluster.request_shape import (
+    GENERATION_PATHS,
+    RequestShape,
+    computed_prompt_tokens,
+    prefill_body,
+    shape_request,
+)
+from banaserve.cluster.topology import DECODE, PREFILL
+from banaserve.router.policies import NoHealthyInstance, Policy
+
+logger = logging.getLogger("banaserve.cluster")
+
+T = TypeVar("T")
+
+#: Prompts shorter than this skip the prefill step: SGLang's HiCache does not look up the
+#: store for fewer new tokens (its prefetch threshold), so a handoff would gain nothing.
+HANDOFF_MIN_TOKENS = 256
+JSON = "application/json"
+#: Paths answered by any one instance (they describe the model, not one instance's state).
+INFO_PATHS = ("/v1/models", "/get_model_info", "/model_info", "/get_server_info",
+              "/server_info")  # fmt: skip
+
+
+class InstanceGone(Exception):
+    """The instance a request was waiting on left routing (died or stopped answering)."""
+
+
+def error_response(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+    """An error in the shape SGLang's OpenAI server uses (its native API reads it too)."""
+    payload = {"object": "error", "message": message, "type": kind, "code": status}
+    return web.json_response(payload, status=status)
+
+
+@dataclass
+class GatewayCounters:
+    requests: int = 0
+    handoffs: int = 0
+    direct: int = 0
+    retries: int = 0
+    errors: int = 0
+    fallbacks_to_prefill: int = 0
+    started_at: float = field(default_factory=time.time)
+
+
+class Gateway:
+    """Routes requests; owns the aiohttp client session (opened in :meth:`start`)."""
+
+    def __init__(
+        self,
+        board: LoadBoard,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        count_tokens: Callable[[str], int] | None = None,
+        handoff_min_tokens: int = HANDOFF_MIN_TOKENS,
+        extra_info: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+    ) -> None:
+        self.board = board
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.count_tokens = count_tokens
+        self.handoff_min_tokens = handoff_min_tokens
+        self.extra_info = extra_info
+        self.counters = GatewayCounters()
+        self.session: aiohttp.ClientSession | None = None
+
+    # -- app ---------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        for path in GENERATION_PATHS:
+            app.router.add_post(path, self.handle_generation)
+        for path in INFO_PATHS:
+            app.router.add_get(path, self.handle_info)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/health_generate", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/cluster", self.handle_cluster)
+        app.router.add_post("/flush_cache", self.handle_flush_cache)
+        app.router.add_get("/flush_cache", self.handle_flush_cache)
+        app.on_startup.append(self._open_session)
+        app.on_cleanup.append(self._close_session)
+        return app
+
+    async def _open_session(self, _: web.Application) -> None:
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            connector=aiohttp.TCPConnector(limit=0),
+        )
+
+    async def _close_session(self, _: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def handle_generation(self, request: web.Request) -> web.StreamResponse:
+        self.counters.requests += 1
+        path = request.path
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return error_response(400, f"The request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "The request body must be a JSON object.")
+        shape = shape_request(path, body, self.count_tokens)
+        if shape.wants_prefill(self.handoff_min_tokens) and self.board.healthy(PREFILL):
+            refused = await self._prefill(shape, body)
+            if refused is not None:
+                return refused
+            self.counters.handoffs += 1
+        else:
+            self.counters.direct += 1
+        return await self._decode(request, shape, raw)
+
+    async def _prefill(self, shape: RequestShape, body: dict[str, Any]) -> web.Response | None:
+        """Run the prompt on a prefill instance. Returns the response to give the client when
+        the instance refused the request (4xx), else None (also when no prefill could be
+        reached: the decode instance then computes the prompt itself)."""
+        payload = prefill_body(shape.path, body)
+        tried: set[str] = set()
+        while True:
+            candidates = [c for c in self.board.healthy(PREFILL) if c.url not in tried]
+            if not candidates:
+                return None
+            url = self.prefill_policy.choose(candidates, shape.prompt).url
+            tried.add(url)
+            self.board.begin(url, shape.prompt_tokens)
+            try:
+                status, data = await self._race(self._post_json(url + shape.path, payload), url)
+            except (aiohttp.ClientError, OSError, InstanceGone) as exc:
+                self.board.mark_failed(url, f"prefill request failed: {exc!r}")
+                self.counters.retries += 1
+                continue
+            finally:
+                self.board.end(url, shape.prompt_tokens)
+                self.prefill_policy.on_done(url, shape.prompt)
+            if 400 <= status < 500:
+                return web.Response(status=status, body=data, content_type=JSON)
+            if status != 200:
+                logger.warning("prefill on %s answered %d: %s", url, status, data[:300])
+                self.counters.retries += 1
+                continue
+            try:
+                self.board.count_prompt(url, *computed_prompt_tokens(shape.path, json.loads(data)))
+            except ValueError:
+                pass
+            return None
+
+    async def _post_json(self, url: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        assert self.session is not None
+        async with self.session.post(url, json=payload) as response:
+            return response.status, await response.read()
+
+    def _decode_candidates(self) -> list[Any]:
+        candidates = self.board.healthy(DECODE)
+        if candidates:
+            return candidates
+        fallback = self.board.healthy(PREFILL)
+        if fallback:
+            if self.counters.fallbacks_to_prefill == 0:
+                logger.warning("no decode instance is healthy: prefill instances decode too")
+            self.counters.fallbacks_to_prefill += 1
+        return fallback
+
+    async def _decode(
+        self, request: web.Request, shape: RequestShape, raw: bytes
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        tried: set[str] = set()
+        last_error = "no decode instance is healthy"
+        while True:
+            candidates = [c for c in self._decode_candidates() if c.url not in tried]
+            if not candidates:
+                self.counters.errors += 1
+                return error_response(
+                    503, f"No instance could serve the request: {last_error}.",
+                    "ServiceUnavailableError",
+                )  # fmt: skip
+            try:
+                url = self.decode_policy.choose(candidates, shape.prompt).url
+            except NoHealthyInstance as exc:
+                self.counters.errors += 1
+                return error_response(503, str(exc), "ServiceUnavailableError")
+            tried.add(url)
+            self.board.begin(url, 0)
+            try:
+                return await self._relay(request, url, shape, raw)
+            except (aiohttp.ClientError, OSError, InstanceGone) as exc:
+                # Nothing reached the client yet (_relay handles failures after that).
+                last_error = f"{url} failed: {exc!r}"
+                self.board.mark_failed(url, f"decode request failed: {exc!r}")
+                self.counters.retries += 1
+            finally:
+                self.board.end(url, 0)
+                self.decode_policy.on_done(url, shape.prompt)
+
+    async def _relay(
+        self, request: web.Request, url: str, shape: RequestShape, raw: bytes
+    ) -> web.StreamResponse:
+        """Send the request to ``url`` and pass its answer through. Raises (for a retry) only
+        while nothing has been sent to the client."""
+        assert self.session is not None
+        headers = {"Content-Type": JSON}
+        upstream = await self._race(
+            self.session.post(url + shape.path, data=raw, headers=headers), url
+        )
+        async with upstream:
+            content_type = upstream.headers.get("Content-Type", JSON)
+            if "text/event-stream" not in content_type:
+                data = await self._race(upstream.read(), url)
+                if upstream.status == 200:
+                    try:
+                        prompt = computed_prompt_tokens(shape.path, json.loads(data))
+                        self.board.count_prompt(url, *prompt)
+                    except ValueError:
+                        pass
+                return web.Response(
+                    status=upstream.status, body=data, headers={"Content-Type": content_type}
+                )
+            out = web.StreamResponse(status=upstream.status, headers={
+                "Content-Type": content_type, "Cache-Control": "no-cache",
+            })  # fmt: skip
+            await out.prepare(request)
+            failure: BaseException | None = None
+            while True:
+                try:
+                    chunk = await self._race(upstream.content.readany(), url)
+                except (aiohttp.ClientError, OSError, InstanceGone) as exc:
+                    failure = exc
+                    break
+                if not chunk:
+                    break
+                try:
+                    await out.write(chunk)
+                except (ConnectionError, aiohttp.ClientError):
+                    return out  # the client left; leaving `async with` aborts upstream
+            if failure is not None:
+                self.counters.errors += 1
+                self.board.mark_failed(url, f"stream broke: {failure!r}")
+                message = f"The instance serving this request failed mid-stream: {failure!r}"
+                error = {"error": {"message": message, "code": 503}}
+                with contextlib.suppress(ConnectionError, aiohttp.ClientError):
+                    await out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+            with contextlib.suppress(ConnectionError, aiohttp.ClientError):
+                await out.write_eof()
+            return out
+
+    async def _race(self, awaitable: Awaitable[T], url: str) -> T:
+        """Await ``awaitable`` unless ``url`` leaves routing first (then InstanceGone)."""
+        gone = self.board.gone_event(url)
+        task = asyncio.ensure_future(awaitable)
+        if gone.is_set():
+            task.cancel()
+            raise InstanceGone(url)
+        waiter = asyncio.ensure_future(gone.wait())
+        try:
+            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise InstanceGone(f"{url} left routing")
+
+    # -- everything else -----------------------------------------------------------------------
+
+    def _any_healthy(self) -> list[Any]:
+        return self.board.healthy(DECODE) + self.board.healthy(PREFILL)
+
+    async def handle_health(self, _: web.Request) -> web.Response:
+        if not self._any_healthy():
+            return error_response(503, "no healthy instance", "ServiceUnavailableError")
+        return web.Response(text="")
+
+    async def handle_info(self, request: web.Request) -> web.Response:
+        assert self.session is not None
+        for load in self._any_healthy():
+            try:
+                async with self.session.get(load.url + request.path_qs) as response:
+                    return web.Response(
+                        status=response.status, body=await response.read(),
+                        headers={"Content-Type": response.headers.get("Content-Type", JSON)},
+                    )  # fmt: skip
+            except (aiohttp.ClientError, OSError) as exc:
+                self.board.mark_failed(load.url, f"{request.path} failed: {exc!r}")
+        return error_response(503, "no healthy instance", "ServiceUnavailableError")
+
+    async def handle_flush_cache(self, request: web.Request) -> web.Response:
+        """Flush every instance's local caches (the shared store keeps its pages)."""
+        assert self.session is not None
+
+        async def flush(url: str) -> int:
+            try:
+                async with self.session.request(request.method, url + "/flush_cache") as r:
+                    return r.status
+            except (aiohttp.ClientError, OSError):
+                return 503
+
+        loads = self._any_healthy()
+        statuses = await asyncio.gather(*(flush(load.url) for load in loads))
+        failed = [load.url for load, s in zip(loads, statuses, strict=True) if s != 200]
+        if failed:
+            return error_response(500, f"flush failed on {failed}", "InternalServerError")
+        return web.Response(text="Cache flushed on every instance.\n")
+
+    def cluster_state(self) -> dict[str, Any]:
+        instances = []
+        for spec in self.board.specs:
+            load = self.board.loads[spec.url]
+            stats = self.board.stats[spec.url]
+            instances.append({
+                "name": spec.name, "role": spec.role, "url": spec.url,
+                "cores": list(spec.cores), "load": load.to_json(),
+                "routed": stats.routed, "failed": stats.failed,
+                "prompt_tokens": stats.prompt_tokens,
+                "computed_prompt_tokens": stats.computed_prompt_tokens,
+            })  # fmt: skip
+        counters = self.counters
+        return {
+            "policy": {"prefill": self.prefill_policy.name, "decode": self.decode_policy.name},
+            "handoff_min_tokens": self.handoff_min_tokens,
+            "gateway": {
+                "requests": counters.requests,
+                "handoffs": counters.handoffs,
+                "direct": counters.direct,
+                "retries": counters.retries,
+                "errors": counters.errors,
+                "fallbacks_to_prefill": counters.fallbacks_to_prefill,
+                "uptime_s": round(time.time() - counters.started_at, 1),
+            },  # fmt: skip
+            "instances": instances,
+        }
+
+    async def handle_cluster(self, _: web.Request) -> web.Response:
+        state = self.cluster_state()
+        if self.extra_info is not None:
+            state.update(await self.extra_info())
+        return web.json_response(state)
+
+    async def handle_metrics(self, _: web.Request) -> web.Response:
+        from banaserve.cluster.prometheus import render_metrics
+
+        return web.Response(
+            text=render_metrics(self.cluster_state()), content_type="text/plain", charset="utf-8"
+        )

@@ -1,0 +1,132 @@
+"""What the gateway needs to know about a request body, and the body it sends to prefill.
+
+Handoff through the store: the gateway first asks a prefill instance for one token of the
+request, which makes that instance compute the prompt's KV and write its pages to the store;
+then it sends the request unchanged to a decode instance, which finds the prompt's pages in
+the store (waiting for them if they are still being written) and only computes the last,
+partial page before decoding. Any prefill pairs with any decode: nothing but the store
+connects them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+GENERATE = "/generate"
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+GENERATION_PATHS = (GENERATE, COMPLETIONS, CHAT)
+
+#: Without a tokenizer: about four characters per token for English text.
+CHARS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """A generation request as the router sees it."""
+
+    path: str
+    prompt: str  # the text the cache-aware policy matches on
+    prompt_tokens: int  # estimated
+    stream: bool
+    max_new_tokens: int | None  # None: the server's default
+
+    def wants_prefill(self, min_tokens: int) -> bool:
+        """Worth a handoff: a prompt long enough for the store to matter, and a request that
+        generates (``max_new_tokens`` 0 only fills a cache, as SGLang's frontend does)."""
+        return self.prompt_tokens >= min_tokens and self.max_new_tokens != 0
+
+
+def _text_of(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(_text_of(v) for v in value)
+    if isinstance(value, dict):
+        return _text_of(value.get("text") or value.get("content") or "")
+    return ""
+
+
+def prompt_text(path: str, body: dict[str, Any]) -> str:
+    if path == CHAT:
+        messages = body.get("messages") or []
+        return "\n".join(_text_of(m.get("content")) for m in messages if isinstance(m, dict))
+    if path == COMPLETIONS:
+        return _text_of(body.get("prompt"))
+    return _text_of(body.get("text"))
+
+
+def _token_count_of_ids(body: dict[str, Any], key: str) -> int | None:
+    ids = body.get(key)
+    if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+        return len(ids)
+    if isinstance(ids, list) and ids and all(isinstance(i, list) for i in ids):
+        return sum(len(i) for i in ids)
+    return None
+
+
+def max_new_tokens_of(path: str, body: dict[str, Any]) -> int | None:
+    if path == GENERATE:
+        params = body.get("sampling_params")
+        value = params.get("max_new_tokens") if isinstance(params, dict) else None
+    else:
+        value = body.get("max_completion_tokens", body.get("max_tokens"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def shape_request(
+    path: str, body: dict[str, Any], count_tokens: Callable[[str], int] | None = None
+) -> RequestShape:
+    text = prompt_text(path, body)
+    key = "input_ids" if path == GENERATE else "prompt"
+    tokens = _token_count_of_ids(body, key)
+    if tokens is None:
+        tokens = count_tokens(text) if count_tokens else len(text) // CHARS_PER_TOKEN
+    return RequestShape(
+        path=path,
+        prompt=text,
+        prompt_tokens=tokens,
+        stream=bool(body.get("stream", False)),
+        max_new_tokens=max_new_tokens_of(path, body),
+    )
+
+
+def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The request as sent to a prefill instance: one token, not streamed, nothing extra
+    computed (no logprobs: the decode instance computes what the client asked for)."""
+    out = copy.deepcopy(body)
+    out["stream"] = False
+    if path == GENERATE:
+        params = dict(out.get("sampling_params") or {})
+        params["max_new_tokens"] = 1
+        params.pop("min_new_tokens", None)
+        out["sampling_params"] = params
+        for key in ("return_logprob", "return_hidden_states", "return_text_in_logprobs"):
+            out.pop(key, None)
+    else:
+        out.pop("max_completion_tokens", None)
+        out["max_tokens"] = 1
+        out.pop("min_tokens", None)
+        out["n"] = 1
+        for key in ("logprobs", "top_logprobs", "echo", "stream_options"):
+            out.pop(key, None)
+    return out
+
+
+def computed_prompt_tokens(path: str, reply: Any) -> tuple[int, int]:
+    """(prompt tokens, prompt tokens served from a cache) from an instance's reply; (0, 0)
+    when the reply does not say. Batched ``/generate`` replies are lists: summed."""
+    if isinstance(reply, list):
+        pairs = [computed_prompt_tokens(path, r) for r in reply]
+        return sum(p for p, _ in pairs), sum(c for _, c in pairs)
+    if not isinstance(reply, dict):
+        return 0, 0
+    if path == GENERATE:
+        meta = reply.get("meta_info") or {}
+        return int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
+    usage = reply.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)

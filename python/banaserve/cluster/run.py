@@ -1,0 +1,197 @@
+"""``launch_server --num-prefill P --num-decode D``: store, instances and gateway, in order.
+
+Start-up: the embedded store (unless ``--kv-store`` names shards), then every instance at
+once (progress every few seconds; one that exits or is not ready in time fails the start with
+its last log lines), then the gateway on ``--host``/``--port``. Ctrl-C or SIGTERM stops the
+gateway and every child. A child that crashes later is reported with its last log lines and
+leaves routing; the others keep serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from banaserve.cluster.gateway import Gateway
+from banaserve.cluster.load_board import LoadBoard, poll_forever
+from banaserve.cluster.processes import ClusterProcesses, default_log_dir
+from banaserve.cluster.topology import DECODE, PREFILL, plan_cores, plan_instances
+from banaserve.server.cli import (
+    CLUSTER_SWITCHES,
+    CLUSTER_VALUE_FLAGS,
+    ClusterOptions,
+    KvStoreOptions,
+    drop_flags,
+)
+from banaserve.utils.processes import ChildFailed, ManagedProcess, free_port
+
+logger = logging.getLogger("banaserve.cluster")
+
+MONITOR_INTERVAL_S = 1.0
+STORE_VALUE_FLAGS = ("--kv-store", "--kv-store-token", "--kv-store-replication",
+                     "--kv-store-capacity-gb", "--kv-store-tenant", "--kv-store-mode",
+                     "--kv-store-coalesce-wait-s", "--kv-pool-memory-fraction")  # fmt: skip
+GATEWAY_VALUE_FLAGS = ("--host", "--port")
+
+
+def instance_launch_argv(
+    argv: list[str], store: KvStoreOptions, urls: list[str], model_path: str, instances: int,
+    kv_pool_memory_fraction: float,
+) -> list[str]:  # fmt: skip
+    """The user's argv for one instance: without cluster, gateway and store flags, attached to
+    the cluster's store, with a share of the KV pool memory."""
+    out = drop_flags(
+        argv, CLUSTER_VALUE_FLAGS + STORE_VALUE_FLAGS + GATEWAY_VALUE_FLAGS, CLUSTER_SWITCHES
+    )
+    if not any(a.split("=", 1)[0] == "--model-path" for a in out):
+        out += ["--model-path", model_path]
+    out += [
+        "--kv-store", ",".join(urls),
+        "--kv-store-replication", str(store.replication),
+        "--kv-store-tenant", store.tenant,
+        "--kv-store-mode", store.mode,
+        "--kv-store-coalesce-wait-s", str(store.coalesce_wait_s),
+        "--kv-pool-memory-fraction", str(kv_pool_memory_fraction / instances),
+    ]  # fmt: skip
+    return out
+
+
+def token_counter(model_path: str) -> Callable[[str], int] | None:
+    """Prompt length in tokens for routing decisions; None (estimate from characters) when
+    the tokenizer cannot load."""
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except Exception as exc:  # noqa: BLE001 - any failure only costs routing precision
+        logger.warning("no tokenizer for routing (%s): estimating from characters", exc)
+        return None
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def store_options(options: KvStoreOptions | None) -> KvStoreOptions:
+    if options is not None:
+        return options
+    return KvStoreOptions(
+        urls=[], embedded=True, token=None, replication=1, capacity_gb=2.0, tenant=""
+    )
+
+
+def run_cluster(
+    argv: list[str], args: argparse.Namespace, options: ClusterOptions,
+    store: KvStoreOptions | None, model_path: str,
+) -> None:  # fmt: skip
+    """Run the cluster until Ctrl-C/SIGTERM; raise ChildFailed when start-up fails."""
+    from banaserve.kvstore import TOKEN_ENV
+    from banaserve.kvstore.embedded import start_embedded_store
+
+    store = store_options(store)
+    log_dir = Path(options.log_dir) if options.log_dir else default_log_dir()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("cluster logs in %s", log_dir)
+    token = store.token or os.environ.get(TOKEN_ENV)
+    urls = store.urls
+    store_process: ManagedProcess | None = None
+    if store.embedded:
+        store_process, url, token = start_embedded_store(store.capacity_gb, token, log_dir)
+        urls = [url]
+        logger.info("embedded KV store at %s (pid %d)", url, store_process.pid)
+    processes = ClusterProcesses(log_dir, store_process)
+    try:
+        count = options.num_prefill + options.num_decode
+        cores = plan_cores(count, sorted(os.sched_getaffinity(0))) if options.cpu_affinity else None
+        specs = plan_instances(
+            options.num_prefill, options.num_decode, [free_port() for _ in range(count)], cores
+        )
+        launch = instance_launch_argv(
+            argv, store, urls, model_path, count, args.kv_pool_memory_fraction
+        )
+        env = dict(os.environ)
+        if token:
+            env[TOKEN_ENV] = token
+        processes.start(specs, launch, env)
+        asyncio.run(
+            serve_gateway(
+                processes, specs, options, urls, token, model_path,
+                args.host or "127.0.0.1", args.port or 30000,
+            )
+        )  # fmt: skip
+    finally:
+        processes.stop()
+
+
+async def serve_gateway(
+    processes: ClusterProcesses, specs: list[Any], options: ClusterOptions, urls: list[str],
+    token: str | None, model_path: str, host: str, port: int,
+) -> None:  # fmt: skip
+    from banaserve.kvstore.client import KvStoreClient
+    from banaserve.router.policies import make_policy
+
+    board = LoadBoard(specs)
+    count_tokens = await asyncio.to_thread(token_counter, model_path)
+    store_client = await asyncio.to_thread(KvStoreClient, urls, token)
+
+    async def extra_info() -> dict[str, Any]:
+        stats = await asyncio.to_thread(store_client.stats)
+        pids = {i.name: i.process.pid for i in processes.instances}
+        return {"store": stats, "log_dir": str(processes.log_dir), "pids": pids}
+
+    gateway = Gateway(
+        board,
+        make_policy(options.router_policy, PREFILL),
+        make_policy(options.router_policy, DECODE),
+        count_tokens,
+        options.handoff_min_tokens,
+        extra_info,
+    )
+    runner = web.AppRunner(gateway.app(), access_log=None)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = []
+    try:
+        await web.TCPSite(runner, host, port).start()
+        assert gateway.session is not None
+        tasks = [
+            asyncio.create_task(poll_forever(board, gateway.session)),
+            asyncio.create_task(monitor(processes, board)),
+        ]
+        prefill = sum(s.role == PREFILL for s in specs)
+        logger.info(
+            "BanaServe cluster serving on http://%s:%d: %d prefill + %d decode, router %s, "
+            "store %s", host, port, prefill, len(specs) - prefill, options.router_policy,
+            ",".join(urls),
+        )  # fmt: skip
+        await stop.wait()
+        logger.info("stopping the cluster")
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await runner.cleanup()
+        store_client.close()
+
+
+async def monitor(processes: ClusterProcesses, board: LoadBoard) -> None:
+    """Take crashed instances out of routing, reporting each crash once."""
+    by_name = {spec.name: spec for spec in board.specs}
+    while True:
+        for name in processes.dead_instances():
+            board.mark_dead(by_name[name].url)
+        await asyncio.sleep(MONITOR_INTERVAL_S)
+
+
+__all__ = ["ChildFailed", "run_cluster"]

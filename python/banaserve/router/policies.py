@@ -1,0 +1,178 @@
+"""Routing policies: which instance of a role gets the next request.
+
+A policy decides from the candidates' :class:`InstanceLoad` records (and the prompt, for the
+cache-aware baseline) alone: no I/O, no clocks it was not given, so the cluster simulator runs
+the very code the gateway runs. The load-aware choices are pure functions; where a policy needs
+state by nature (a round-robin cursor, sglang-router's per-worker trees and in-flight counts),
+the state lives in the policy object under its own lock, because the gateway calls from an
+asyncio loop and possibly from worker threads.
+
+BanaServe's policy is ``load_aware``: with the global KV store every instance can fetch every
+cached prefix, so the router weighs load only. ``cache_aware`` (sglang-router's default) and
+``round_robin`` are the baselines it is measured against.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+from banaserve.router.load import ROLES, InstanceLoad
+
+#: The names :func:`make_policy` accepts.
+POLICY_NAMES: tuple[str, ...] = ("load_aware", "cache_aware", "round_robin")
+
+#: A decode instance whose KV pool is at least this full ranks behind every one that is not.
+DECODE_KV_HIGH_WATERMARK = 0.9
+
+
+class NoHealthyInstance(RuntimeError):
+    """No candidate of ``role`` is healthy; the request cannot be routed now."""
+
+    def __init__(self, role: str, num_candidates: int) -> None:
+        super().__init__(
+            f"no healthy {role} instance to route to ({num_candidates} candidate(s), none healthy)"
+        )
+        self.role = role
+        self.num_candidates = num_candidates
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Chooses one instance per request among the candidates of one role.
+
+    Contract:
+    - ``choose`` returns one of the *healthy* ``candidates`` (the same object) and raises
+      :class:`NoHealthyInstance` when there is none. It does no I/O and does not block beyond
+      the policy's own lock.
+    - ``on_done(url, prompt)`` is called once per chosen request when it finishes (or fails),
+      with the url it was sent to; policies without in-flight state ignore it.
+    - Both are safe to call concurrently from threads.
+    """
+
+    name: str
+
+    def choose(self, candidates: Sequence[InstanceLoad], prompt: str) -> InstanceLoad: ...
+
+    def on_done(self, url: str, prompt: str) -> None: ...
+
+
+def healthy_candidates(candidates: Sequence[InstanceLoad], role: str) -> list[InstanceLoad]:
+    """The healthy candidates, in the given order; raises NoHealthyInstance if there are none."""
+    healthy = [c for c in candidates if c.healthy]
+    if not healthy:
+        raise NoHealthyInstance(role, len(candidates))
+    return healthy
+
+
+def check_role(role: str) -> str:
+    """``role`` itself if it is one of ROLES; else ValueError naming the valid roles."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return role
+
+
+def load_aware_prefill(candidates: Sequence[InstanceLoad], role: str = "prefill") -> InstanceLoad:
+    """The healthy instance with the fewest queued prefill tokens.
+
+    Ties go to fewer queued+running requests, then to the smaller url, so the choice is
+    deterministic. Queued prompt tokens are what a new request waits behind before its first
+    token; cache affinity is deliberately ignored, since the global store makes every
+    instance's prefix cache the same.
+    """
+    return min(
+        healthy_candidates(candidates, role),
+        key=lambda c: (c.queued_prefill_tokens, c.batch_reqs, c.url),
+    )
+
+
+def decode_sort_key(c: InstanceLoad) -> tuple[bool, int, int, str]:
+    """The decode ordering, smallest first: (KV saturated, batch, -free KV, url).
+
+    1. KV saturation (usage >= :data:`DECODE_KV_HIGH_WATERMARK`) first: SGLang's decode admits
+       a request only when its KV fits and retracts running requests when the pool runs out,
+       so a short batch on a nearly full pool is not spare capacity.
+    2. Then the batch (running + queued): a decode step's time, and so every request's
+       time per output token, grows with the batch it shares, and queued requests will join it.
+    3. Then the most free KV: with equal batches, the one with shorter contexts (cheaper steps)
+       and more headroom for this request's growth.
+    4. Then the url, for determinism.
+
+    Lexicographic rather than a weighted sum: no weight converts requests into KV tokens that
+    holds across models and pool sizes, and the simulator must reproduce choices exactly.
+    """
+    saturated = c.kv_capacity_tokens > 0 and c.kv_usage >= DECODE_KV_HIGH_WATERMARK
+    return (saturated, c.batch_reqs, -c.kv_free_tokens, c.url)
+
+
+def load_aware_decode(candidates: Sequence[InstanceLoad], role: str = "decode") -> InstanceLoad:
+    """The healthy decode instance first in :func:`decode_sort_key` order."""
+    return min(healthy_candidates(candidates, role), key=decode_sort_key)
+
+
+class LoadAwarePolicy:
+    """BanaServe's policy: :func:`load_aware_prefill` or :func:`load_aware_decode` by role.
+
+    ``mixed`` instances use the prefill ordering: a new request's first wait there is its
+    prefill. Stateless (so no lock): the gateway merges its in-flight accounting into the
+    records (:func:`banaserve.router.load.with_inflight`) before calling ``choose``.
+    """
+
+    name = "load_aware"
+
+    def __init__(self, role: str) -> None:
+        self.role = check_role(role)
+        self._choose: Callable[[Sequence[InstanceLoad], str], InstanceLoad] = (
+            load_aware_decode if role == "decode" else load_aware_prefill
+        )
+
+    def choose(self, candidates: Sequence[InstanceLoad], prompt: str) -> InstanceLoad:
+        return self._choose(candidates, self.role)
+
+    def on_done(self, url: str, prompt: str) -> None:
+        pass
+
+
+class RoundRobinPolicy:
+    """Cycles through the healthy candidates in url order, as sglang-router's ``round_robin``.
+
+    The cursor advances once per ``choose`` and indexes the healthy candidates sorted by url
+    (so the caller's ordering does not matter); an unhealthy instance is skipped. The cursor
+    is guarded by a lock.
+    """
+
+    name = "round_robin"
+
+    def __init__(self, role: str = "mixed") -> None:
+        self.role = check_role(role)
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def choose(self, candidates: Sequence[InstanceLoad], prompt: str) -> InstanceLoad:
+        healthy = sorted(healthy_candidates(candidates, self.role), key=lambda c: c.url)
+        with self._lock:
+            index = self._next
+            self._next += 1
+        return healthy[index % len(healthy)]
+
+    def on_done(self, url: str, prompt: str) -> None:
+        pass
+
+
+def make_policy(name: str, role: str) -> Policy:
+    """The policy called ``name`` (one of :data:`POLICY_NAMES`) for instances of ``role``.
+
+    Raises ``ValueError`` naming the valid choices for an unknown name or role.
+    """
+    check_role(role)
+    if name == "load_aware":
+        return LoadAwarePolicy(role)
+    if name == "round_robin":
+        return RoundRobinPolicy(role)
+    if name == "cache_aware":
+        # Imported here: cache_aware builds on this module's NoHealthyInstance and helpers.
+        from banaserve.router.cache_aware import CacheAwarePolicy
+
+        return CacheAwarePolicy(role)
+    raise ValueError(f"unknown routing policy {name!r}: one of {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,225 @@
+"""The cluster's pieces without SGLang: topology, argv rewriting, request shaping, metrics,
+and the gateway's fault handling against small real HTTP upstreams on real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from banaserve.cluster.gateway import Gateway
+from banaserve.cluster.load_board import LoadBoard
+from banaserve.cluster.prometheus import render_metrics
+from banaserve.cluster.request_shape import CHAT, GENERATE, prefill_body, shape_request
+from banaserve.cluster.run import instance_launch_argv
+from banaserve.cluster.topology import DECODE, PREFILL, InstanceSpec, plan_cores, plan_instances
+from banaserve.router.policies import POLICY_NAMES, make_policy
+from banaserve.server.cli import ROUTER_POLICIES, KvStoreOptions, drop_flags
+from banaserve.utils.processes import free_port
+
+
+def test_cores_are_shared_out_evenly() -> None:
+    assert plan_cores(2, [0, 1]) == [(0,), (1,)]
+    assert plan_cores(2, [0, 1, 2, 3]) == [(0, 1), (2, 3)]
+    assert plan_cores(3, [4, 5]) == [(4,), (5,), (4,)]  # more instances than cores
+    with pytest.raises(ValueError):
+        plan_cores(1, [])
+
+
+def test_instances_are_named_by_role() -> None:
+    specs = plan_instances(2, 1, [1001, 1002, 1003], [(0,), (1,), (0,)])
+    assert [(s.name, s.role, s.port, s.cores) for s in specs] == [
+        ("prefill-0", PREFILL, 1001, (0,)),
+        ("prefill-1", PREFILL, 1002, (1,)),
+        ("decode-0", DECODE, 1003, (0,)),
+    ]
+    with pytest.raises(ValueError):
+        plan_instances(1, 1, [1001], None)
+
+
+def test_instance_argv_drops_cluster_gateway_and_store_flags() -> None:
+    argv = ["--model-path", "/m", "--num-prefill=2", "--num-decode", "1", "--port", "9",
+            "--host=0.0.0.0", "--cpu-affinity", "--kv-store", "embedded", "--dtype", "float32",
+            "--router-policy", "round_robin"]  # fmt: skip
+    store = KvStoreOptions(["shm://h:1"], False, None, 1, 2.0, "t", "hicache", 5.0)
+    out = instance_launch_argv(argv, store, ["shm://h:1"], "/m", 3, 0.3)
+    assert out[:4] == ["--model-path", "/m", "--dtype", "float32"]
+    rest = dict(zip(out[4::2], out[5::2], strict=True))
+    assert rest["--kv-store"] == "shm://h:1" and rest["--kv-store-tenant"] == "t"
+    assert rest["--kv-store-coalesce-wait-s"] == "5.0"
+    assert float(rest["--kv-pool-memory-fraction"]) == pytest.approx(0.1)
+    for gone in ("--num-prefill", "--num-decode", "--port", "--host", "--cpu-affinity",
+                 "--router-policy", "embedded", "9", "0.0.0.0"):  # fmt: skip
+        assert not any(a == gone or a.startswith(gone + "=") for a in out), (gone, out)
+    assert drop_flags(["--a", "1", "--b"], ("--a",), ("--b",)) == []
+
+
+def test_router_policy_names_agree() -> None:
+    assert ROUTER_POLICIES == POLICY_NAMES
+    for name in POLICY_NAMES:
+        assert make_policy(name, DECODE).name == name
+
+
+@pytest.mark.parametrize("argv", [["--num-prefill", "-1"], ["--num-prefill", "0"],
+                                  ["--router-policy", "nearest"]])  # fmt: skip
+def test_bad_cluster_flags_exit_with_usage(argv: list[str]) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "banaserve.launch_server", "--model-path", "/nonexistent",
+         "--num-decode", "0", *argv],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "usage:" in run.stderr
+
+
+def test_request_shape_and_prefill_body() -> None:
+    body = {"text": "a b c", "sampling_params": {"max_new_tokens": 9, "temperature": 0},
+            "stream": True, "return_logprob": True}  # fmt: skip
+    shape = shape_request(GENERATE, body, lambda text: len(text.split()))
+    assert (shape.prompt, shape.prompt_tokens, shape.stream, shape.max_new_tokens) == (
+        "a b c", 3, True, 9,
+    )  # fmt: skip
+    sent = prefill_body(GENERATE, body)
+    assert sent["stream"] is False and sent["sampling_params"]["max_new_tokens"] == 1
+    assert "return_logprob" not in sent and body["sampling_params"]["max_new_tokens"] == 9
+    assert shape_request(GENERATE, {"input_ids": [1, 2, 3, 4]}).prompt_tokens == 4
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}],
+            "max_tokens": 7, "stream": True, "n": 2, "logprobs": True}  # fmt: skip
+    shape = shape_request(CHAT, chat)
+    assert shape.prompt_tokens == 100 and shape.max_new_tokens == 7  # 4 characters a token
+    sent = prefill_body(CHAT, chat)
+    assert (sent["max_tokens"], sent["n"], sent["stream"]) == (1, 1, False)
+    assert "logprobs" not in sent
+    # max_new_tokens 0 fills a cache (SGLang's frontend): no handoff for it.
+    assert not shape_request(GENERATE, {"text": "y" * 4000, "sampling_params": {
+        "max_new_tokens": 0}}).wants_prefill(256)  # fmt: skip
+    assert shape_request(GENERATE, {"text": "y" * 4000}).wants_prefill(256)
+
+
+def test_metrics_render_every_instance() -> None:
+    board = LoadBoard([InstanceSpec("prefill-0", PREFILL, 1), InstanceSpec("decode-0", DECODE, 2)])
+    gateway = Gateway(board, make_policy("load_aware", PREFILL), make_policy("load_aware", DECODE))
+    text = render_metrics(gateway.cluster_state())
+    assert 'banaserve_instance_healthy{instance="prefill-0",role="prefill"} 1' in text
+    assert 'banaserve_instance_routed_total{instance="decode-0",role="decode"} 0' in text
+    assert "banaserve_gateway_requests_total 0" in text
+
+
+# -- the gateway against small upstreams on real sockets --------------------------------------
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def upstream(handler: Handler) -> AsyncIterator[int]:
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield port
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def gateway_for(specs: list[InstanceSpec]) -> AsyncIterator[str]:
+    board = LoadBoard(specs)
+    gateway = Gateway(
+        board, make_policy("round_robin", PREFILL), make_policy("round_robin", DECODE),
+        handoff_min_tokens=10,
+    )  # fmt: skip
+    runner = web.AppRunner(gateway.app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def answer_ok(request: web.Request) -> web.Response:
+    body = await request.json()
+    return web.json_response({"text": "ok", "max": body["sampling_params"]["max_new_tokens"]})
+
+
+async def post(url: str, body: dict) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        return response.status, await response.text()
+
+
+LONG = {"text": "word " * 100, "sampling_params": {"max_new_tokens": 5}}
+
+
+def test_unreachable_instances_are_retried_elsewhere() -> None:
+    async def scenario() -> None:
+        async with upstream(answer_ok) as good:
+            dead = free_port()  # nothing listens there
+            specs = [InstanceSpec("prefill-0", PREFILL, dead), InstanceSpec("prefill-1", PREFILL,
+                     good), InstanceSpec("decode-0", DECODE, dead),
+                     InstanceSpec("decode-1", DECODE, good)]  # fmt: skip
+            async with gateway_for(specs) as url:
+                for _ in range(3):
+                    status, text = await post(f"{url}/generate", LONG)
+                    assert status == 200 and json.loads(text) == {"text": "ok", "max": 5}
+
+    asyncio.run(scenario())
+
+
+def test_prefill_refusal_reaches_the_client_and_no_instance_is_a_503() -> None:
+    async def refuse(_: web.Request) -> web.Response:
+        return web.json_response({"message": "prompt too long"}, status=400)
+
+    async def scenario() -> None:
+        async with upstream(refuse) as port:
+            specs = [InstanceSpec("prefill-0", PREFILL, port),
+                     InstanceSpec("decode-0", DECODE, free_port())]  # fmt: skip
+            async with gateway_for(specs) as url:
+                status, text = await post(f"{url}/generate", LONG)
+                assert status == 400 and "prompt too long" in text
+                # Short prompts skip the prefill; the decode is unreachable and the prefill
+                # instance refuses everything: a clear 400 from it, never a hang.
+                status, text = await post(f"{url}/generate", {"text": "hi"})
+                assert status == 400
+            specs = [InstanceSpec("decode-0", DECODE, free_port())]
+            async with gateway_for(specs) as url:
+                status, text = await post(f"{url}/generate", {"text": "hi"})
+                assert status == 503 and "No instance could serve" in text
+                status, _ = await post(f"{url}/generate", {"text": "hi"})
+                assert status == 503
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_that_breaks_ends_with_an_error_event() -> None:
+    async def break_mid_stream(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b'data: {"text": "partial"}\n\n')
+        await asyncio.sleep(0.1)
+        assert request.transport is not None
+        request.transport.abort()  # the instance dies mid-stream
+        return out
+
+    async def scenario() -> None:
+        async with upstream(break_mid_stream) as port:
+            specs = [InstanceSpec("decode-0", DECODE, port)]
+            async with gateway_for(specs) as url:
+                status, text = await post(f"{url}/generate", {"text": "hi", "stream": True})
+        assert status == 200
+        assert text.startswith('data: {"text": "partial"}')
+        assert '"error"' in text and "failed mid-stream" in text
+        assert text.rstrip().endswith("data: [DONE]")
+
+    asyncio.run(scenario())
