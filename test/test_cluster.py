@@ -58,7 +58,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         sys.executable, "-m", "banaserve.launch_server",
         "--model-path", str(tiny_model), "--num-prefill", "2", "--num-decode", "1",
         "--port", str(port), "--max-total-tokens", str(TEST_KV_TOKENS),
-        "--kv-store-capacity-gb", "0.5", "--cluster-log-dir", str(log_dir),
+        "--kv-store-capacity-gb", "0.5", "--cluster-log-dir", str(log_dir), "--cpu-affinity",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     process = ManagedProcess("cluster", argv, log_dir / "gateway.log", env=env)
@@ -232,6 +232,22 @@ def test_cluster_and_metrics_report_every_instance(cluster: Cluster) -> None:
     assert "banaserve_gateway_handoffs_total" in metrics
 
 
+def test_instances_are_pinned_to_their_own_cores(cluster: Cluster) -> None:
+    import psutil
+
+    state = cluster.state()
+    available = sorted(os.sched_getaffinity(0))
+    for instance in state["instances"]:
+        cores = sorted(instance["cores"])
+        assert cores and set(cores) <= set(available), instance
+        process = psutil.Process(state["pids"][instance["name"]])
+        for p in [process, *process.children(recursive=True)]:
+            assert sorted(p.cpu_affinity()) == cores, (instance["name"], p.cmdline())
+    if len(available) >= 2:  # the two prefill instances never share a core
+        prefill = [set(i["cores"]) for i in state["instances"] if i["role"] == "prefill"]
+        assert not prefill[0] & prefill[1]
+
+
 def test_a_killed_decode_instance_leaves_routing(cluster: Cluster, server: Server) -> None:
     decode_pid = cluster.state()["pids"]["decode-0"]
     prompt = long_prompt(seed=303)
@@ -261,8 +277,16 @@ def test_a_killed_decode_instance_leaves_routing(cluster: Cluster, server: Serve
     assert not cluster.instance("decode-0")["load"]["healthy"]
     # The cluster keeps serving, with the same greedy output.
     assert generate(cluster.url, prompt)["output_ids"] == expected
-    log = tail(cluster.process.log_path, 200)
-    assert "decode-0" in log and "exited" in log  # the crash is reported
+    # The crash is reported, with the instance's last log lines (the monitor looks every second).
+    deadline = time.monotonic() + 15
+
+    def crash_reported() -> bool:
+        lines = tail(cluster.process.log_path, 200).splitlines()
+        return any("decode-0 (pid" in line and "exited with code" in line for line in lines)
+
+    while not crash_reported():
+        assert time.monotonic() < deadline, tail(cluster.process.log_path, 200)
+        time.sleep(0.5)
 
 
 def test_sigterm_stops_every_process(cluster: Cluster) -> None:

@@ -383,3 +383,23 @@ def test_two_shards_spread_claims_and_coalesce(monkeypatch: pytest.MonkeyPatch) 
                 srv.close()
         for store in stores:
             store.close()
+
+
+def test_a_dead_shard_passes_its_keys_to_their_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(KvStoreClient, "RETRY_AFTER_S", 30.0)
+    stores = [TieredStore(64 << 20), TieredStore(64 << 20)]
+    servers = [InProcessServer(s, ServerConfig(token=TOKEN)) for s in stores]
+    urls = [s.url for s in servers]
+    keys, data = keys_for("replicated", 16), pages(16, PAGE, seed=5)
+    try:
+        with KvStoreClient(urls, token=TOKEN, replication=2) as client:
+            assert client.put(keys, data) == [True] * 16
+            assert client.lookup(keys, owner="A") == 16  # the client has used both shards
+            servers[0].close()  # the client learns it only from the next call's failure
+            assert client.lookup(keys, owner="A", wait_s=1) == 16
+    finally:
+        for srv in servers:
+            if srv.thread.is_alive():
+                srv.close()
+        for store in stores:
+            store.close()

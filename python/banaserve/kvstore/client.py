@@ -373,8 +373,9 @@ class KvStoreClient:
         :meth:`release` them if it gives up; otherwise they end with the lease, or when this
         client closes (the claims are tied to its connections).
 
-        Each key is asked of its primary live replica only (claims on one server per key are
-        enough, as every client sends the key's LOOKUP there); shards are asked in parallel,
+        Each key is asked of its first live replica only (claims on one server per key are
+        enough, as every client sends the key's LOOKUP there; a replica that fails during the
+        call passes its keys on to the next one); shards are asked in parallel,
         each with its keys in their original order and the whole ``wait_s`` budget. So a shard
         may wait for key j while a key i < j on another shard is missing (time spent for
         nothing, never a wrong answer), and each shard claims its own missing tail: together,
@@ -392,12 +393,6 @@ class KvStoreClient:
             raise ValueError(f"lease_s must be in (0, {MAX_LEASE_MS / 1000:g}], got {lease_s}")
         lease_ms = min(MAX_LEASE_MS, max(1, round(lease_s * 1000)))
         deadline = time.monotonic() + wait_s
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, key in enumerate(keys):
-            for s in self._ring.replica_indices(key, self.replication):
-                if self._shards[s].available() and self._lookup_shards[s].available():
-                    groups[s].append(i)
-                    break
 
         def ask(shard: _Shard, idx: list[int]) -> list[bool]:
             out: list[bool] = []
@@ -422,11 +417,34 @@ class KvStoreClient:
                 missed = missed or not all(reply["present"])
             return out
 
+        def live(s: int) -> bool:
+            return self._shards[s].available() and self._lookup_shards[s].available()
+
         present = [False] * len(keys)
-        results = self._fan_out(groups, ask, self._lookup_shards, self._lookup_pool)
-        for s, result in results.items():
-            for i, hit in zip(groups[s], result or (), strict=False):
-                present[i] = hit
+        replicas = [self._ring.replica_indices(key, self.replication) for key in keys]
+        tried = [0] * len(keys)
+        pending = list(range(len(keys)))
+        # Round k sends each key to its k-th live replica; only keys whose shard failed in
+        # this call go round again (a shard that just died must not turn a hit on its
+        # replica into a miss).
+        while pending:
+            groups: dict[int, list[int]] = defaultdict(list)
+            for i in sorted(pending):
+                order = replicas[i]
+                while tried[i] < len(order) and not live(order[tried[i]]):
+                    tried[i] += 1
+                if tried[i] < len(order):
+                    groups[order[tried[i]]].append(i)
+                    tried[i] += 1
+            pending = []
+            for s, result in self._fan_out(
+                groups, ask, self._lookup_shards, self._lookup_pool
+            ).items():
+                if result is None:
+                    pending += [i for i in groups[s] if tried[i] < len(replicas[i])]
+                    continue
+                for i, hit in zip(groups[s], result, strict=False):
+                    present[i] = hit
         return next((i for i, hit in enumerate(present) if not hit), len(present))
 
     def release(self, keys: Sequence[bytes], owner: str) -> list[bool]:

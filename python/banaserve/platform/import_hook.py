@@ -4,7 +4,8 @@ It is installed by ``banaserve_platform.pth`` at interpreter start, so it reache
 scheduler and detokenizer processes SGLang spawns without editing SGLang's files. It costs
 one set lookup per import, and does nothing at all where CUDA is usable. Besides
 ``sgl_kernel`` (see :mod:`banaserve.platform.sgl_kernel_fallback`) it patches a few SGLang
-modules right after they execute (see :mod:`banaserve.platform.hicache_cpu`).
+modules right after they execute (see :mod:`banaserve.platform.hicache_cpu` and
+:mod:`banaserve.platform.pd_cpu`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from collections.abc import Callable, Sequence
 
 from banaserve.platform.detect import cpu_platform_wanted
 from banaserve.platform.environment import apply_cpu_environment
-from banaserve.platform.hicache_cpu import POST_IMPORT_PATCHES
+from banaserve.platform.hicache_cpu import POST_IMPORT_PATCHES as _HICACHE_PATCHES
+from banaserve.platform.pd_cpu import POST_IMPORT_PATCHES as _PD_PATCHES
+
+POST_IMPORT_PATCHES = {**_HICACHE_PATCHES, **_PD_PATCHES}
 
 _WATCHED = frozenset({"sglang", "sgl_kernel", *POST_IMPORT_PATCHES})
 

@@ -1,0 +1,395 @@
+"""BanaServe against SGLang PD as it ships, under ``sglang.bench_serving``, in one run.
+
+Usage: ``python benchmark/compare.py [--quick] [--model PATH] [--out DIR]``
+
+Systems, all with the same model, the same 2 prefill + 1 decode topology and the same core
+pinning (each instance ``taskset`` to its share of the cores, ``OMP_NUM_THREADS`` to match):
+
+- ``stock_cache_aware``: SGLang PD (``mooncake_tcp``) behind ``sglang_router --pd-disaggregation``
+  with ``cache_aware`` (sglang-router's default policy);
+- ``stock_round_robin`` and ``stock_power_of_two``: the same with load-only policies (balance
+  without a shared cache);
+- ``banaserve``: ``launch_server --num-prefill 2 --num-decode 1`` (load_aware routing, the
+  Global KV Cache Store, KV handoff and in-flight coalescing through it).
+
+Workloads (prefill-heavy, 4 output tokens, so routing and cache effects show on 2 cores):
+
+- ``hotspot``: one long shared system prompt takes every request (``generated-shared-prefix``
+  with one group);
+- ``cache_pressure``: many long prefixes, more than one instance's KV pool holds, each reused
+  later in shuffled order;
+- ``uniform``: ``random-ids``, nothing shared.
+
+Each system starts once and runs every workload (instance caches flushed in between; the
+store keeps its pages, which no other workload's prompts share). Prints a table (req/s,
+output tok/s, TTFT and TPOT p50/p99, duration, requests per prefill instance, prefill cache
+hit rate), writes ``results.json`` and ``compare.png`` to ``--out``, and ends with::
+
+    compare hotspot_throughput_ratio=… hotspot_ttft_p99_ratio=… hotspot_vs_best_stock=…
+    cache_pressure_throughput_ratio=… uniform_throughput_ratio=…
+
+(on one line): hotspot and uniform are banaserve over ``stock_cache_aware``;
+``hotspot_vs_best_stock`` and cache pressure are banaserve over the best stock system of the
+run. ``--quick`` runs stock_cache_aware and banaserve on smaller workloads, in about 5 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from banaserve.cluster.topology import plan_cores  # noqa: E402
+from banaserve.router.metrics_parse import parse_sglang_metrics  # noqa: E402
+from banaserve.utils.processes import ManagedProcess, free_port  # noqa: E402
+
+NUM_PREFILL, NUM_DECODE = 2, 1
+START_TIMEOUT_S = 900.0
+STOCK_POLICIES = ("cache_aware", "round_robin", "power_of_two")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    dataset_args: tuple[str, ...]
+    num_prompts: int
+    max_concurrency: int
+    seed: int  # distinct per workload: one workload's prompts never warm another's cache
+
+
+def workloads(quick: bool) -> list[Workload]:
+    n = 32 if quick else 96
+    prefix = "512" if quick else "1024"
+    groups = 16 if quick else 48
+    return [
+        Workload(
+            "hotspot",
+            (
+                "--dataset-name",
+                "generated-shared-prefix",
+                "--gsp-num-groups",
+                "1",
+                "--gsp-prompts-per-group",
+                str(n),
+                "--gsp-system-prompt-len",
+                prefix,
+                "--gsp-question-len",
+                "32",
+                "--gsp-output-len",
+                "4",
+            ),
+            n,
+            32,
+            1,
+        ),  # fmt: skip
+        Workload(
+            "cache_pressure",
+            (
+                "--dataset-name",
+                "generated-shared-prefix",
+                "--gsp-num-groups",
+                str(groups),
+                "--gsp-prompts-per-group",
+                str(n // groups),
+                "--gsp-system-prompt-len",
+                prefix,
+                "--gsp-question-len",
+                "32",
+                "--gsp-output-len",
+                "4",
+            ),
+            n,
+            8,
+            2,
+        ),  # fmt: skip
+        Workload(
+            "uniform",
+            (
+                "--dataset-name",
+                "random-ids",
+                "--random-input-len",
+                prefix,
+                "--random-output-len",
+                "4",
+                "--random-range-ratio",
+                "1.0",
+            ),
+            n // 2,
+            16,
+            3,
+        ),  # fmt: skip
+    ]
+
+
+@dataclass
+class Running:
+    """A started system: its front URL, its instances by role, and how to stop it."""
+
+    url: str
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    stop: Callable[[], None]
+
+
+@dataclass
+class Result:
+    system: str
+    workload: str
+    req_per_s: float = 0.0
+    output_tok_per_s: float = 0.0
+    ttft_p50_ms: float = 0.0
+    ttft_p99_ms: float = 0.0
+    tpot_p50_ms: float = 0.0
+    tpot_p99_ms: float = 0.0
+    duration_s: float = 0.0
+    completed: int = 0
+    per_prefill: list[int] = field(default_factory=list)
+    prefill_hit_rate: float = 0.0
+    error: str = ""
+
+
+def instance_args(kv_tokens: int, dtype: str) -> list[str]:
+    return ["--dtype", dtype, "--max-total-tokens", str(kv_tokens), "--page-size", "16",
+            "--log-level", "warning"]  # fmt: skip
+
+
+@contextmanager
+def start_banaserve(
+    model: str, out: Path, cores: bool, kv_tokens: int, dtype: str
+) -> Iterator[Running]:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "banaserve.launch_server", "--model-path", model,
+        "--num-prefill", str(NUM_PREFILL), "--num-decode", str(NUM_DECODE),
+        "--port", str(port), "--cluster-log-dir", str(out / "banaserve"),
+        "--kv-store", "embedded", "--kv-store-capacity-gb", "6",
+        *instance_args(kv_tokens, dtype), *(["--cpu-affinity"] if cores else []),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    process = ManagedProcess("banaserve", argv, out / "banaserve" / "gateway.log", env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        process.wait_http_ok(f"{url}/health", START_TIMEOUT_S, progress_every=30)
+        state = json.loads(urllib.request.urlopen(f"{url}/cluster", timeout=30).read())
+        by_role: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for instance in state["instances"]:
+            by_role[instance["role"]].append(instance["url"])
+        yield Running(url, by_role["prefill"], by_role["decode"], process.stop)
+    finally:
+        process.stop(grace=60)
+
+
+@contextmanager
+def start_stock(
+    model: str, policy: str, out: Path, cores: bool, kv_tokens: int, dtype: str
+) -> Iterator[Running]:
+    from stock_pd import start_stock_pd
+
+    plan = plan_cores(NUM_PREFILL + NUM_DECODE, sorted(os.sched_getaffinity(0))) if cores else None
+    with start_stock_pd(
+        model, NUM_PREFILL, NUM_DECODE, policy, free_port(), out / f"stock_{policy}", plan,
+        extra_args=instance_args(kv_tokens, dtype),
+    ) as pd:  # fmt: skip
+        yield Running(pd.url, list(pd.prefill_urls), list(pd.decode_urls), pd.stop)
+
+
+def scrape(urls: list[str]) -> list[dict[str, float]]:
+    out = []
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+                out.append(parse_sglang_metrics(response.read().decode()))
+        except OSError:
+            out.append({})
+    return out
+
+
+def flush(running: Running) -> None:
+    for url in running.prefill_urls + running.decode_urls:
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{url}/flush_cache", method="POST"),
+                                   timeout=60).read()  # fmt: skip
+        except OSError:
+            pass
+
+
+def run_workload(
+    system: str, running: Running, workload: Workload, model: str, out: Path
+) -> Result:
+    result = Result(system, workload.name)
+    flush(running)
+    before = scrape(running.prefill_urls)
+    result_file = out / f"{system}-{workload.name}.jsonl"
+    argv = [
+        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        "--base-url", running.url, "--model", model, "--tokenizer", model,
+        "--num-prompts", str(workload.num_prompts), "--max-concurrency",
+        str(workload.max_concurrency), "--seed", str(workload.seed),
+        "--output-file", str(result_file),
+        "--disable-tqdm", *workload.dataset_args,
+    ]  # fmt: skip
+    print(f"[compare] {system} / {workload.name}: {workload.num_prompts} requests", flush=True)
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    (out / f"{system}-{workload.name}.log").write_text(run.stdout + run.stderr)
+    if run.returncode != 0 or not result_file.exists():
+        result.error = (run.stderr or run.stdout)[-500:]
+        return result
+    data = json.loads(result_file.read_text().splitlines()[-1])
+    result.req_per_s = data["request_throughput"]
+    result.output_tok_per_s = data["output_throughput"]
+    result.ttft_p50_ms = data["median_ttft_ms"]
+    result.ttft_p99_ms = data["p99_ttft_ms"]
+    result.tpot_p50_ms = data["median_tpot_ms"]
+    result.tpot_p99_ms = data["p99_tpot_ms"]
+    result.duration_s = data["duration"]
+    result.completed = data["completed"]
+    after = scrape(running.prefill_urls)
+
+    def delta(name: str, i: int) -> float:
+        return after[i].get(name, 0.0) - before[i].get(name, 0.0)
+
+    n = len(running.prefill_urls)
+    result.per_prefill = [int(delta("sglang:num_requests_total", i)) for i in range(n)]
+    prompt = sum(delta("sglang:prompt_tokens_total", i) for i in range(n))
+    cached = sum(delta("sglang:cached_tokens_total", i) for i in range(n))
+    result.prefill_hit_rate = cached / prompt if prompt else 0.0
+    return result
+
+
+def print_table(results: list[Result]) -> None:
+    header = (f"{'system':<20}{'workload':<16}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>10}"
+              f"{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'dur s':>7}  per prefill   hit")  # fmt: skip
+    print(header)
+    for r in results:
+        if r.error:
+            print(f"{r.system:<20}{r.workload:<16}  FAILED: {r.error.splitlines()[-1:]}")
+            continue
+        print(f"{r.system:<20}{r.workload:<16}{r.req_per_s:>7.2f}{r.output_tok_per_s:>10.1f}"
+              f"{r.ttft_p50_ms:>10.0f}{r.ttft_p99_ms:>9.0f}{r.tpot_p50_ms:>10.1f}"
+              f"{r.tpot_p99_ms:>8.1f}{r.duration_s:>7.1f}  {str(r.per_prefill):<13}"
+              f"{r.prefill_hit_rate:>4.0%}")  # fmt: skip
+
+
+def plot(results: list[Result], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[compare] matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    names = list(dict.fromkeys(r.workload for r in results))
+    systems = list(dict.fromkeys(r.system for r in results))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(systems))
+    for k, system in enumerate(systems):
+        by = {r.workload: r for r in results if r.system == system}
+        xs = [i + k * width for i in range(len(names))]
+        axes[0].bar(xs, [by[w].req_per_s if w in by else 0 for w in names], width, label=system)
+        axes[1].bar(xs, [by[w].ttft_p99_ms / 1000 if w in by else 0 for w in names], width)
+    for ax, title in zip(axes, ("throughput (req/s)", "TTFT p99 (s)"), strict=True):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"[compare] plot: {path}")
+
+
+def summary_line(results: list[Result]) -> str:
+    def get(system: str, workload: str) -> Result | None:
+        return next((r for r in results if r.system == system and r.workload == workload
+                     and not r.error), None)  # fmt: skip
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}" if a is not None and b else "nan"
+
+    def best_stock(workload: str) -> float | None:
+        rates = [
+            r.req_per_s
+            for r in results
+            if r.workload == workload and r.system.startswith("stock") and not r.error
+        ]
+        return max(rates) if rates else None  # fmt: skip
+
+    ours = {w: get("banaserve", w) for w in ("hotspot", "cache_pressure", "uniform")}
+    base = {w: get("stock_cache_aware", w) for w in ("hotspot", "uniform")}
+
+    def rate(r: Result | None) -> float | None:
+        return r.req_per_s if r else None
+
+    hot, hot_base = ours["hotspot"], base["hotspot"]
+    return (
+        f"compare hotspot_throughput_ratio={ratio(rate(hot), rate(hot_base))} "
+        f"hotspot_ttft_p99_ratio="
+        f"{ratio(hot.ttft_p99_ms if hot else None, hot_base.ttft_p99_ms if hot_base else None)} "
+        f"hotspot_vs_best_stock={ratio(rate(hot), best_stock('hotspot'))} "
+        f"cache_pressure_throughput_ratio="
+        f"{ratio(rate(ours['cache_pressure']), best_stock('cache_pressure'))} "
+        f"uniform_throughput_ratio={ratio(rate(ours['uniform']), rate(base['uniform']))}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quick", action="store_true", help="2 systems, smaller workloads")
+    parser.add_argument("--systems", default=None, help="comma-separated subset of systems")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
+    parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool of each instance")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.model is None:
+        from banaserve.models import default_model_path
+
+        args.model = str(default_model_path())
+    out = args.out or REPO / "benchmark" / "results" / time.strftime("compare-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    # Small enough that cache_pressure's prefixes overflow one instance's pool.
+    kv_tokens = args.kv_tokens or (6144 if args.quick else 16384)
+    systems = ["stock_cache_aware", "banaserve"] if args.quick else [
+        *(f"stock_{p}" for p in STOCK_POLICIES), "banaserve"]  # fmt: skip
+    if args.systems:
+        systems = args.systems.split(",")
+    pin = not args.no_pin
+    results: list[Result] = []
+    started = time.monotonic()
+    for system in systems:
+        print(f"[compare] starting {system}", flush=True)
+        if system == "banaserve":
+            context = start_banaserve(args.model, out, pin, kv_tokens, args.dtype)
+        else:
+            policy = system.removeprefix("stock_")
+            context = start_stock(args.model, policy, out, pin, kv_tokens, args.dtype)
+        try:
+            with context as running:
+                for workload in workloads(args.quick):
+                    results.append(run_workload(system, running, workload, args.model, out))
+        except Exception as exc:  # noqa: BLE001 - one broken system must not sink the others
+            print(f"[compare] {system} failed: {exc}", flush=True)
+            results += [Result(system, w.name, error=str(exc)) for w in workloads(args.quick)]
+    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print(f"\nmodel {args.model} ({args.dtype}), {NUM_PREFILL} prefill + {NUM_DECODE} decode, "
+          f"{'pinned' if pin else 'unpinned'}, KV pool {kv_tokens} tokens per instance, "
+          f"{time.monotonic() - started:.0f} s")  # fmt: skip
+    print_table(results)
+    plot(results, out / "compare.png")
+    print(summary_line(results))
+
+
+if __name__ == "__main__":
+    main()
