@@ -198,9 +198,14 @@ def start_stock(
     from stock_pd import start_stock_pd
 
     plan = plan_cores(NUM_PREFILL + NUM_DECODE, sorted(os.sched_getaffinity(0))) if cores else None
+    log_dir = out / f"stock_{policy}"
+    router_args: tuple[str, ...] = ()
+    if policy == "power_of_two" and NUM_DECODE < 2:
+        # sglang-router's power_of_two needs two workers of a role: one decode gets them all.
+        policy, router_args = "round_robin", ("--prefill-policy", "power_of_two")
     with start_stock_pd(
-        model, NUM_PREFILL, NUM_DECODE, policy, free_port(), out / f"stock_{policy}", plan,
-        extra_args=instance_args(kv_tokens, dtype),
+        model, NUM_PREFILL, NUM_DECODE, policy, free_port(), log_dir, plan,
+        extra_args=instance_args(kv_tokens, dtype), router_args=router_args,
     ) as pd:  # fmt: skip
         yield Running(pd.url, list(pd.prefill_urls), list(pd.decode_urls), pd.stop)
 
@@ -241,7 +246,8 @@ def run_workload(
         "--disable-tqdm", *workload.dataset_args,
     ]  # fmt: skip
     print(f"[compare] {system} / {workload.name}: {workload.num_prompts} requests", flush=True)
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    # In ``out``: bench_serving drops a results file in its working directory.
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=out)
     (out / f"{system}-{workload.name}.log").write_text(run.stdout + run.stderr)
     if run.returncode != 0 or not result_file.exists():
         result.error = (run.stderr or run.stdout)[-500:]

@@ -43,6 +43,18 @@ def test_fresh_process_gets_cpu_engine_and_kernel_stand_ins() -> None:
 
 
 @needs_no_driver
+def test_hicache_host_pools_keep_a_cpu_sized_reserve() -> None:
+    # SGLang keeps 10 GiB of RAM free beside HiCache host pools, so a store-attached instance
+    # would not start on a machine with less free; on the CPU the reserve is 1 GiB.
+    run = run_python(
+        "from sglang.srt.mem_cache.pool_host import base\n"
+        "print(base.HICACHE_HOST_MEMORY_RESERVE_BYTES)\n"
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert int(run.stdout.split()[-1]) == 1 << 30
+
+
+@needs_no_driver
 def test_user_environment_wins() -> None:
     run = run_python(
         "import sglang, os; print(os.environ['SGLANG_HOST_IP'])", SGLANG_HOST_IP="127.0.0.2"

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"stock PD needs {'; '.joi
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 SHORT = "The quick brown fox"
 #: About 600 tokens with the tiny model's tokenizer: several pages, so KV moves in chunks.
-LONG = " ".join(f"Sentence number {i} talks about apples, rivers and stars." for i in range(50))
+LONG = " ".join(f"Sentence number {i} talks about apples, rivers and stars." for i in range(26))
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,15 @@ def test_stock_pd_matches_single_instance(stock_pd: object, server: Server, prom
     expected = generate(server.url, prompt)
     assert got["meta_info"]["prompt_tokens"] == expected["meta_info"]["prompt_tokens"]
     if prompt is LONG:
-        assert 450 <= got["meta_info"]["prompt_tokens"] <= 900
+        assert 450 <= got["meta_info"]["prompt_tokens"] <= 800
     assert got["output_ids"] == expected["output_ids"]
     assert len(got["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def test_stock_pd_prefix_hit_matches_single_instance(stock_pd: object, server: Server) -> None:
+    """A prompt whose prefix the prefill instance has cached: its KV is sent early (the
+    overlap scheduler's ``maybe_send_cached_prefix_chunk``, patched by ``pd_cpu``)."""
+    for prompt in (LONG, LONG + " And what about the moon?"):
+        got = generate(stock_pd.url, prompt)  # type: ignore[attr-defined]
+        assert got["output_ids"] == generate(server.url, prompt)["output_ids"]
+    assert got["meta_info"].get("cached_tokens", 0) > 0, got["meta_info"]

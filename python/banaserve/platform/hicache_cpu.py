@@ -9,6 +9,11 @@ CPU platform:
 - ``mem_cache.pool_host.mha`` / ``mem_cache.memory_pool_host``: with
   ``--hicache-io-backend direct --hicache-mem-layout layer_first`` they call
   ``transfer_kv_direct``, imported only on CUDA/ROCm/XPU; a torch-native copy stands in.
+- ``mem_cache.pool_host.base``: host pools may only take RAM beyond a reserve of 10 GiB
+  (``HICACHE_HOST_MEMORY_RESERVE_BYTES``), sized for GPU servers whose host RAM serves
+  nothing else; on the CPU the device pool itself is host RAM, sized by BanaServe from what
+  is free, so an instance would refuse to start on a machine with less than 10 GiB free. The
+  reserve becomes :data:`CPU_HOST_MEMORY_RESERVE_BYTES`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 _REGISTERED_RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
+#: RAM HiCache host pools leave free on the CPU platform.
+CPU_HOST_MEMORY_RESERVE_BYTES = 1 << 30
 
 
 def _no_host_register(buffer: Any, registration_granularity_bytes: int | None = None) -> None:
@@ -62,7 +69,14 @@ def patch_transfer_kv_direct(module: types.ModuleType) -> None:
         module.transfer_kv_direct = transfer_kv_direct  # type: ignore[attr-defined]
 
 
+def patch_host_memory_reserve(module: types.ModuleType) -> None:
+    """A 1 GiB reserve instead of 10 GiB: read at call time from the module's globals."""
+    if hasattr(module, "HICACHE_HOST_MEMORY_RESERVE_BYTES"):
+        module.HICACHE_HOST_MEMORY_RESERVE_BYTES = CPU_HOST_MEMORY_RESERVE_BYTES
+
+
 POST_IMPORT_PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
+    "sglang.srt.mem_cache.pool_host.base": patch_host_memory_reserve,
     "sglang.srt.mem_cache.pool_host.common": patch_pool_host_common,
     "sglang.srt.mem_cache.pool_host.mha": patch_transfer_kv_direct,
     "sglang.srt.mem_cache.memory_pool_host": patch_transfer_kv_direct,

@@ -1,6 +1,6 @@
-"""Patch that lets stock SGLang prefill/decode disaggregation (PD) run on the CPU engine.
+"""Patches that let stock SGLang prefill/decode disaggregation (PD) run on the CPU engine.
 
-With it, ``--disaggregation-mode prefill|decode --disaggregation-transfer-backend
+With them, ``--disaggregation-mode prefill|decode --disaggregation-transfer-backend
 mooncake_tcp`` serves on a machine without an NVIDIA driver, with greedy output identical to
 one plain instance. Outside this module it takes Debian's ``libibverbs1`` (the Mooncake
 transfer engine links it even when it only uses TCP) and the pip package
@@ -17,12 +17,18 @@ CPU platform:
   memory: with the flag off the scheduler takes its synchronous path
   (``kv_to_page_indices``), which the Mooncake worker accepts too, and neither pinned memory
   nor the event is touched.
+- ``disaggregation.prefill``, ``torch.cuda.Event`` in
+  ``SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk``: under the overlap
+  scheduler (on by default, on the CPU too) a request whose prefix is in the radix cache
+  has that prefix sent early, ordered after the previous forward by a CUDA event recorded on
+  the forward stream; on the CPU ``record`` raises "expected stream to be a torch.Stream or
+  torch.cuda.Stream object" and kills the prefill scheduler. CPU kernels have finished when
+  the forward call returns, so there is nothing to wait for: the module's global ``torch``
+  becomes a view of torch whose ``cuda.Event`` does nothing (``record``, ``synchronize``);
+  everything else resolves to the real ``torch``. Only that module's name changes.
 
-Checked and left alone (no patch needed): the other ``torch.cuda.Event`` in
-``disaggregation/prefill.py`` (early send of a cached prefix) is only reached with the
-overlap scheduler, which SGLang turns off on the CPU (``arg_groups/speculative_hook.py``,
-``_disable_overlap_schedule_for_cpu``); the PD metadata buffers (``disaggregation/utils.py``)
-are CPU tensors already; ``mooncake_tcp`` sets ``MC_FORCE_TCP`` itself
+Checked and left alone: the PD metadata buffers (``disaggregation/utils.py``) are CPU
+tensors already; ``mooncake_tcp`` sets ``MC_FORCE_TCP`` itself
 (``arg_groups/pd_disaggregation_hook.py``); the KV pools are plain host memory, which
 Mooncake's TCP transport registers as is.
 """
@@ -31,6 +37,50 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from typing import Any
+
+
+class _CpuEvent:
+    """Stands in for ``torch.cuda.Event``: CPU work is complete when its call returns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+
+    def record(self, stream: Any = None) -> None:
+        del stream
+
+    def wait(self, stream: Any = None) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CudaView:
+    """``torch.cuda`` with ``Event`` replaced; every other name is the real module's."""
+
+    Event = _CpuEvent
+
+    def __init__(self, real: types.ModuleType) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class _TorchView:
+    """``torch`` as ``disaggregation/prefill.py`` sees it: ``cuda`` is a :class:`_CudaView`,
+    every other name is the real module's."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        self._real = real
+        self.cuda = _CudaView(real.cuda)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 def patch_mooncake_conn(module: types.ModuleType) -> None:
@@ -40,6 +90,14 @@ def patch_mooncake_conn(module: types.ModuleType) -> None:
         sender.supports_host_tensor_indices = False
 
 
+def patch_prefill(module: types.ModuleType) -> None:
+    """Give ``disaggregation/prefill.py`` a ``torch.cuda.Event`` that works on the CPU."""
+    real = getattr(module, "torch", None)
+    if isinstance(real, types.ModuleType):
+        module.torch = _TorchView(real)  # type: ignore[attr-defined]
+
+
 POST_IMPORT_PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "sglang.srt.disaggregation.mooncake.conn": patch_mooncake_conn,
+    "sglang.srt.disaggregation.prefill": patch_prefill,
 }
