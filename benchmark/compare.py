@@ -69,67 +69,23 @@ class Workload:
     seed: int  # distinct per workload: one workload's prompts never warm another's cache
 
 
+def shared_prefix_args(groups: int, per_group: int, prefix_len: int) -> tuple[str, ...]:
+    """``generated-shared-prefix``: ``groups`` system prompts, shuffled requests, 4 tokens out."""
+    return ("--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(groups),
+            "--gsp-prompts-per-group", str(per_group), "--gsp-system-prompt-len",
+            str(prefix_len), "--gsp-question-len", "32", "--gsp-output-len", "4")  # fmt: skip
+
+
 def workloads(quick: bool) -> list[Workload]:
     n = 32 if quick else 96
-    prefix = "512" if quick else "1024"
+    prefix = 512 if quick else 1024
     groups = 16 if quick else 48
+    uniform = ("--dataset-name", "random-ids", "--random-input-len", str(prefix),
+               "--random-output-len", "4", "--random-range-ratio", "1.0")  # fmt: skip
     return [
-        Workload(
-            "hotspot",
-            (
-                "--dataset-name",
-                "generated-shared-prefix",
-                "--gsp-num-groups",
-                "1",
-                "--gsp-prompts-per-group",
-                str(n),
-                "--gsp-system-prompt-len",
-                prefix,
-                "--gsp-question-len",
-                "32",
-                "--gsp-output-len",
-                "4",
-            ),
-            n,
-            32,
-            1,
-        ),  # fmt: skip
-        Workload(
-            "cache_pressure",
-            (
-                "--dataset-name",
-                "generated-shared-prefix",
-                "--gsp-num-groups",
-                str(groups),
-                "--gsp-prompts-per-group",
-                str(n // groups),
-                "--gsp-system-prompt-len",
-                prefix,
-                "--gsp-question-len",
-                "32",
-                "--gsp-output-len",
-                "4",
-            ),
-            n,
-            8,
-            2,
-        ),  # fmt: skip
-        Workload(
-            "uniform",
-            (
-                "--dataset-name",
-                "random-ids",
-                "--random-input-len",
-                prefix,
-                "--random-output-len",
-                "4",
-                "--random-range-ratio",
-                "1.0",
-            ),
-            n // 2,
-            16,
-            3,
-        ),  # fmt: skip
+        Workload("hotspot", shared_prefix_args(1, n, prefix), n, 32, seed=1),
+        Workload("cache_pressure", shared_prefix_args(groups, n // groups, prefix), n, 8, seed=2),
+        Workload("uniform", uniform, n // 2, 16, seed=3),
     ]
 
 
@@ -204,7 +160,7 @@ def start_stock(
         # sglang-router's power_of_two needs two workers of a role: one decode gets them all.
         policy, router_args = "round_robin", ("--prefill-policy", "power_of_two")
     with start_stock_pd(
-        model, NUM_PREFILL, NUM_DECODE, policy, free_port(), log_dir, plan,
+        model, NUM_PREFILL, NUM_DECODE, policy, None, log_dir, plan,
         extra_args=instance_args(kv_tokens, dtype), router_args=router_args,
     ) as pd:  # fmt: skip
         yield Running(pd.url, list(pd.prefill_urls), list(pd.decode_urls), pd.stop)

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "python") not in sys.path:
     sys.path.insert(0, str(REPO / "python"))
 
-from banaserve.utils.processes import ManagedProcess, free_port  # noqa: E402
+from banaserve.utils.processes import ChildFailed, ManagedProcess, free_port  # noqa: E402
 
 #: Policies ``sglang_router.launch_router --policy`` accepts (``manual`` needs routing keys).
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
@@ -61,6 +61,7 @@ CPU_DECODE_ARGS = ("--hicache-ratio", "0.2")
 
 SERVER_START_TIMEOUT = 300.0
 ROUTER_START_TIMEOUT = 120.0
+ROUTER_START_ATTEMPTS = 3
 PROGRESS_EVERY = 10.0
 
 
@@ -133,7 +134,7 @@ def start_stock_pd(
     num_prefill: int,
     num_decode: int,
     policy: str,
-    port: int,
+    port: int | None,
     log_dir: str | Path,
     cores: list[tuple[int, ...]] | None = None,
     extra_args: Sequence[str] = (),
@@ -143,6 +144,10 @@ def start_stock_pd(
     start_timeout: float = SERVER_START_TIMEOUT,
 ) -> StockPd:
     """Start stock SGLang PD on ``model_path`` with its router on ``127.0.0.1:port``.
+
+    ``port`` None: a free port picked when the router starts, after the servers are up (they
+    and Mooncake open ports of their own while starting, so a port picked earlier may be
+    taken by then); the router is then retried on a new port if its port was taken anyway.
 
     ``cores``: one tuple per instance, prefill instances first, then decode; an instance runs
     under ``taskset -c`` on its cores with ``OMP_NUM_THREADS`` = their number. ``None`` leaves
@@ -165,7 +170,7 @@ def start_stock_pd(
     model_path = Path(model_path)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    pd = StockPd(f"http://127.0.0.1:{port}")
+    pd = StockPd(f"http://127.0.0.1:{port or 0}")
     try:
         roles = ["prefill"] * num_prefill + ["decode"] * num_decode
         for index, role in enumerate(roles):
@@ -190,31 +195,50 @@ def start_stock_pd(
             took = process.wait_http_ok(f"{url}/health", start_timeout, PROGRESS_EVERY)
             print(f"[stock_pd] {process.name} healthy at {url} ({took:.0f} s)", file=sys.stderr)
 
-        metrics_port = free_port()
-        pd.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        argv = [
-            sys.executable, "-m", "sglang_router.launch_router",
-            "--pd-disaggregation", "--policy", policy,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-            "--worker-startup-check-interval", "1",
-        ]  # fmt: skip
-        for url, bootstrap_port in zip(pd.prefill_urls, pd.bootstrap_ports, strict=True):
-            argv += ["--prefill", url, str(bootstrap_port)]
-        for url in pd.decode_urls:
-            argv += ["--decode", url]
-        argv += list(router_args)
-        pd.router = ManagedProcess(
-            "router", _pinned(argv, router_cores), log_dir / "router.log",
-            env=_env(router_cores),
-        )  # fmt: skip
-        took = pd.router.wait_http_ok(f"{pd.url}/health", ROUTER_START_TIMEOUT, PROGRESS_EVERY)
+        for attempt in range(1, ROUTER_START_ATTEMPTS + 1):
+            router_port = port or free_port()
+            pd.url = f"http://127.0.0.1:{router_port}"
+            try:
+                took = _start_router(pd, policy, router_port, router_args, router_cores, log_dir)
+                break
+            except ChildFailed as exc:
+                taken = "Address already in use" in str(exc)
+                if port is not None or not taken or attempt == ROUTER_START_ATTEMPTS:
+                    raise
+                print(f"[stock_pd] router port {router_port} taken; again", file=sys.stderr)
         _wait_models(pd, ROUTER_START_TIMEOUT)
         print(f"[stock_pd] router ({policy}) serving at {pd.url} ({took:.0f} s)", file=sys.stderr)
         return pd
     except BaseException:
         pd.stop()
         raise
+
+
+def _start_router(
+    pd: StockPd, policy: str, port: int, router_args: Sequence[str],
+    cores: tuple[int, ...] | None, log_dir: Path,
+) -> float:  # fmt: skip
+    """Start the PD router on ``port``; return the seconds until ``/health`` answered."""
+    if pd.router is not None:
+        pd.router.stop()
+    metrics_port = free_port()
+    pd.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    argv = [
+        sys.executable, "-m", "sglang_router.launch_router",
+        "--pd-disaggregation", "--policy", policy,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--worker-startup-check-interval", "1",
+    ]  # fmt: skip
+    for url, bootstrap_port in zip(pd.prefill_urls, pd.bootstrap_ports, strict=True):
+        argv += ["--prefill", url, str(bootstrap_port)]
+    for url in pd.decode_urls:
+        argv += ["--decode", url]
+    argv += list(router_args)
+    pd.router = ManagedProcess(
+        "router", _pinned(argv, cores), log_dir / "router.log", env=_env(cores)
+    )
+    return pd.router.wait_http_ok(f"{pd.url}/health", ROUTER_START_TIMEOUT, PROGRESS_EVERY)
 
 
 def _wait_models(pd: StockPd, timeout: float) -> None:
@@ -264,7 +288,7 @@ def main() -> None:
     parser.add_argument("--cores", help='per instance, prefill first: "0;1;1" or "0,1;1"')
     parser.add_argument("--serve", action="store_true", help="keep serving until Ctrl-C")
     args = parser.parse_args()
-    port = args.port or free_port()
+    port = args.port or None
     with start_stock_pd(
         args.model, args.num_prefill, args.num_decode, args.policy, port, args.log_dir,
         _parse_cores(args.cores),

@@ -352,54 +352,49 @@ def test_bad_lookups_are_refused_and_change_nothing(server: InProcessServer) -> 
 # -- two shards ---------------------------------------------------------------------------------
 
 
-def test_two_shards_spread_claims_and_coalesce(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def two_shards(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[InProcessServer]]:
+    """Two in-process shards; a shard a test closes stays down for the client (no retry)."""
     monkeypatch.setattr(KvStoreClient, "RETRY_AFTER_S", 30.0)
     stores = [TieredStore(64 << 20), TieredStore(64 << 20)]
     servers = [InProcessServer(s, ServerConfig(token=TOKEN)) for s in stores]
-    urls = [s.url for s in servers]
+    try:
+        yield servers
+    finally:
+        for srv in servers:
+            if srv.thread.is_alive():
+                srv.close()
+        for store in stores:
+            store.close()
+
+
+def test_two_shards_spread_claims_and_coalesce(two_shards: list[InProcessServer]) -> None:
+    servers, urls = two_shards, [s.url for s in two_shards]
     keys, data = keys_for("two shards", 24), pages(24, PAGE, seed=3)
-    try:
-        with KvStoreClient(urls, token=TOKEN) as a, KvStoreClient(urls, token=TOKEN) as b:
-            assert a.put(keys[:5], data[:5]) == [True] * 5
-            assert a.lookup(keys, owner="A") == 5
-            claims = [server_stats(url)["claims"] for url in urls]
-            assert sum(claims) == 19 and all(claims)  # the whole missing tail, both shards
-            waiter = Background(lambda: b.lookup(keys, owner="B", wait_s=20))
-            wait_until(lambda: sum(server_stats(url)["claim_waits"] for url in urls) >= 2)
-            assert a.put(keys[5:], data[5:]) == [True] * 19
-            assert waiter.result() == 24
-            assert sum(server_stats(url)["coalesced"] for url in urls) == 19
+    with KvStoreClient(urls, token=TOKEN) as a, KvStoreClient(urls, token=TOKEN) as b:
+        assert a.put(keys[:5], data[:5]) == [True] * 5
+        assert a.lookup(keys, owner="A") == 5
+        claims = [server_stats(url)["claims"] for url in urls]
+        assert sum(claims) == 19 and all(claims)  # the whole missing tail, both shards
+        waiter = Background(lambda: b.lookup(keys, owner="B", wait_s=20))
+        wait_until(lambda: sum(server_stats(url)["claim_waits"] for url in urls) >= 2)
+        assert a.put(keys[5:], data[5:]) == [True] * 19
+        assert waiter.result() == 24
+        assert sum(server_stats(url)["coalesced"] for url in urls) == 19
 
-            # A down shard: its keys are missing and unclaimed; the call does not raise.
-            more = keys_for("two shards, one down", 16)
-            on_second = [a._ring.replica_indices(k, 1)[0] == 1 for k in more]
-            first_on_second = on_second.index(True)
-            assert b.put(more, pages(16, PAGE, seed=4)) == [True] * 16
-            servers[1].close()
-            assert b.lookup(more, owner="B", wait_s=1) == first_on_second
-    finally:
-        for srv in servers:
-            if srv.thread.is_alive():
-                srv.close()
-        for store in stores:
-            store.close()
+        # A down shard: its keys are missing and unclaimed; the call does not raise.
+        more = keys_for("two shards, one down", 16)
+        on_second = [a._ring.replica_indices(k, 1)[0] == 1 for k in more]
+        first_on_second = on_second.index(True)
+        assert b.put(more, pages(16, PAGE, seed=4)) == [True] * 16
+        servers[1].close()
+        assert b.lookup(more, owner="B", wait_s=1) == first_on_second
 
 
-def test_a_dead_shard_passes_its_keys_to_their_replica(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(KvStoreClient, "RETRY_AFTER_S", 30.0)
-    stores = [TieredStore(64 << 20), TieredStore(64 << 20)]
-    servers = [InProcessServer(s, ServerConfig(token=TOKEN)) for s in stores]
-    urls = [s.url for s in servers]
+def test_a_dead_shard_passes_its_keys_to_their_replica(two_shards: list[InProcessServer]) -> None:
     keys, data = keys_for("replicated", 16), pages(16, PAGE, seed=5)
-    try:
-        with KvStoreClient(urls, token=TOKEN, replication=2) as client:
-            assert client.put(keys, data) == [True] * 16
-            assert client.lookup(keys, owner="A") == 16  # the client has used both shards
-            servers[0].close()  # the client learns it only from the next call's failure
-            assert client.lookup(keys, owner="A", wait_s=1) == 16
-    finally:
-        for srv in servers:
-            if srv.thread.is_alive():
-                srv.close()
-        for store in stores:
-            store.close()
+    with KvStoreClient([s.url for s in two_shards], token=TOKEN, replication=2) as client:
+        assert client.put(keys, data) == [True] * 16
+        assert client.lookup(keys, owner="A") == 16  # the client has used both shards
+        two_shards[0].close()  # the client learns it only from the next call's failure
+        assert client.lookup(keys, owner="A", wait_s=1) == 16

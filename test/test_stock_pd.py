@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import requests
 
-from banaserve.utils.processes import free_port
 from conftest import Server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
@@ -44,7 +43,7 @@ def stock_pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     from stock_pd import start_stock_pd
 
     log_dir = tmp_path_factory.mktemp("stock_pd")
-    with start_stock_pd(tiny_model, 1, 1, "round_robin", free_port(), log_dir) as pd:
+    with start_stock_pd(tiny_model, 1, 1, "round_robin", None, log_dir) as pd:
         yield pd
 
 

@@ -76,7 +76,8 @@ class GatewayCounters:
 
 
 class Gateway:
-    """Routes requests; owns the aiohttp client session (opened in :meth:`start`)."""
+    """Routes requests. Owns the aiohttp client session, opened and closed with the app
+    (:meth:`app`); every handler runs on that app's event loop, so no state is locked."""
 
     def __init__(
         self,
