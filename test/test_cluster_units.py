@@ -223,3 +223,15 @@ def test_a_stream_that_breaks_ends_with_an_error_event() -> None:
         assert text.rstrip().endswith("data: [DONE]")
 
     asyncio.run(scenario())
+
+
+def test_free_ports_are_outside_the_ephemeral_range() -> None:
+    import socket
+
+    from banaserve.utils.processes import _ephemeral_range
+
+    for _ in range(5):
+        port = free_port()
+        assert port not in _ephemeral_range()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # really free

@@ -109,9 +109,10 @@ def run_cluster(
     try:
         count = options.num_prefill + options.num_decode
         cores = plan_cores(count, sorted(os.sched_getaffinity(0))) if options.cpu_affinity else None
-        specs = plan_instances(
-            options.num_prefill, options.num_decode, [free_port() for _ in range(count)], cores
-        )
+        ports: set[int] = set()
+        while len(ports) < count:
+            ports.add(free_port())
+        specs = plan_instances(options.num_prefill, options.num_decode, sorted(ports), cores)
         launch = instance_launch_argv(
             argv, store, urls, model_path, count, args.kv_pool_memory_fraction
         )

@@ -8,6 +8,7 @@ whose last lines are quoted when the child fails, so a crash is never silent.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,9 +19,35 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+#: Where :func:`free_port` looks first: below Linux's default ephemeral range (32768-60999).
+LISTEN_PORTS = range(20000, 32768)
+
+
+def _ephemeral_range() -> range:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the usual race applies)."""
+    """A TCP port to listen on that was free a moment ago.
+
+    Picked outside the kernel's ephemeral range: a server that starts slowly (SGLang takes
+    half a minute) would otherwise lose its port to the local end of some outgoing connection
+    made meanwhile (hundreds are, by store clients and health polls), and fail to bind.
+    Falls back to any free port if none is found there.
+    """
+    ephemeral = _ephemeral_range()
+    candidates = [p for p in random.sample(LISTEN_PORTS, 64) if p not in ephemeral]
+    for port in candidates:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
