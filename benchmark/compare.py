@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from banaserve.cluster.topology import plan_cores  # noqa: E402
 from banaserve.router.metrics_parse import parse_sglang_metrics  # noqa: E402
-from banaserve.utils.processes import ManagedProcess, free_port  # noqa: E402
+from banaserve.utils.processes import ManagedProcess, exit_on_sigterm, free_port  # noqa: E402
 
 NUM_PREFILL, NUM_DECODE = 2, 1
 START_TIMEOUT_S = 900.0
@@ -315,6 +315,7 @@ def main() -> None:
     parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool of each instance")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    exit_on_sigterm()  # stop every system's processes on SIGTERM too
     if args.model is None:
         from banaserve.models import default_model_path
 

@@ -69,6 +69,30 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         process.stop(grace=60)
 
 
+def test_sigterm_during_start_up_stops_everything(tiny_model: Path, tmp_path: Path) -> None:
+    import psutil
+
+    argv = [
+        sys.executable, "-m", "banaserve.launch_server", "--model-path", str(tiny_model),
+        "--num-prefill", "1", "--num-decode", "1", "--port", str(free_port()),
+        "--max-total-tokens", str(TEST_KV_TOKENS), "--cluster-log-dir", str(tmp_path),
+    ]  # fmt: skip
+    process = ManagedProcess("cluster", argv, tmp_path / "gateway.log")
+    try:
+        deadline = time.monotonic() + 120
+        while "started decode-0" not in tail(process.log_path):
+            assert process.alive() and time.monotonic() < deadline, tail(process.log_path)
+            time.sleep(0.2)
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert len(children) >= 3  # the store and two instances, at least
+        process.process.send_signal(signal.SIGTERM)  # to the launcher only, mid start-up
+        process.process.wait(timeout=90)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [c.cmdline() for c in alive]
+    finally:
+        process.stop()
+
+
 def long_prompt(seed: int, words: int = 400) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(VOCAB) for _ in range(words))

@@ -104,12 +104,17 @@ class ClusterProcesses:
                 process.log_path,
             )  # fmt: skip
         start = time.monotonic()
-        with ThreadPoolExecutor(len(self.instances) or 1) as pool:
+        pool = ThreadPoolExecutor(len(self.instances) or 1)
+        try:
             waits = [
                 pool.submit(self._wait_ready, instance, timeout) for instance in self.instances
             ]
             for future in waits:
                 future.result()
+        finally:
+            # Not waiting for the others on a failure or a signal: stop() ends their waits,
+            # since a stopped child fails its readiness poll at once.
+            pool.shutdown(wait=False, cancel_futures=True)
         logger.info(
             "%d instances ready after %.0f s", len(self.instances), time.monotonic() - start
         )

@@ -32,7 +32,7 @@ from banaserve.server.cli import (
     KvStoreOptions,
     drop_flags,
 )
-from banaserve.utils.processes import ChildFailed, ManagedProcess, free_port
+from banaserve.utils.processes import ChildFailed, ManagedProcess, exit_on_sigterm, free_port
 
 logger = logging.getLogger("banaserve.cluster")
 
@@ -94,6 +94,7 @@ def run_cluster(
     from banaserve.kvstore import TOKEN_ENV
     from banaserve.kvstore.embedded import start_embedded_store
 
+    exit_on_sigterm()  # so a SIGTERM during start-up still stops what was started
     store = store_options(store)
     log_dir = Path(options.log_dir) if options.log_dir else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)

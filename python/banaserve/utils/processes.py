@@ -181,3 +181,18 @@ class ManagedProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit in the main thread, as Ctrl-C raises KeyboardInterrupt.
+
+    Python's default SIGTERM action ends the process without unwinding, so ``finally``
+    blocks that stop children (each in a session of its own, out of reach of a signal to
+    this process's group) would never run. Call from the main thread of a process that owns
+    children.
+    """
+
+    def raise_exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, raise_exit)
