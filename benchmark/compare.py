@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
@@ -186,6 +187,32 @@ def flush(running: Running) -> None:
             pass
 
 
+def result_from_bench(system: str, workload: str, data: dict[str, Any]) -> Result:
+    """A result from one line of ``bench_serving --output-file``."""
+    return Result(
+        system, workload, req_per_s=data["request_throughput"],
+        output_tok_per_s=data["output_throughput"], ttft_p50_ms=data["median_ttft_ms"],
+        ttft_p99_ms=data["p99_ttft_ms"], tpot_p50_ms=data["median_tpot_ms"],
+        tpot_p99_ms=data["p99_tpot_ms"], duration_s=data["duration"],
+        completed=data["completed"],
+    )  # fmt: skip
+
+
+def results_in(folder: Path) -> list[Result]:
+    """Results of an earlier run: ``results.json``, or else its ``SYSTEM-WORKLOAD.jsonl``
+    bench files (a run that was stopped early; no per-instance counts then)."""
+    saved = folder / "results.json"
+    if saved.exists():
+        return [Result(**r) for r in json.loads(saved.read_text())]
+    out = []
+    for path in sorted(folder.glob("*-*.jsonl")):
+        system, workload = path.stem.rsplit("-", 1)
+        out.append(
+            result_from_bench(system, workload, json.loads(path.read_text().splitlines()[-1]))
+        )
+    return out
+
+
 def run_workload(
     system: str, running: Running, workload: Workload, model: str, out: Path
 ) -> Result:
@@ -209,14 +236,7 @@ def run_workload(
         result.error = (run.stderr or run.stdout)[-500:]
         return result
     data = json.loads(result_file.read_text().splitlines()[-1])
-    result.req_per_s = data["request_throughput"]
-    result.output_tok_per_s = data["output_throughput"]
-    result.ttft_p50_ms = data["median_ttft_ms"]
-    result.ttft_p99_ms = data["p99_ttft_ms"]
-    result.tpot_p50_ms = data["median_tpot_ms"]
-    result.tpot_p99_ms = data["p99_tpot_ms"]
-    result.duration_s = data["duration"]
-    result.completed = data["completed"]
+    result = result_from_bench(system, workload.name, data)
     after = scrape(running.prefill_urls)
 
     def delta(name: str, i: int) -> float:
@@ -314,6 +334,11 @@ def main() -> None:
     parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
     parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool of each instance")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--include", type=Path, nargs="*", default=[],
+        help="also report the results of earlier runs in these --out folders (systems this "
+        "run does not measure again)",
+    )  # fmt: skip
     args = parser.parse_args()
     exit_on_sigterm()  # stop every system's processes on SIGTERM too
     if args.model is None:
@@ -330,6 +355,8 @@ def main() -> None:
         systems = args.systems.split(",")
     pin = not args.no_pin
     results: list[Result] = []
+    for folder in args.include:
+        results += [r for r in results_in(folder) if r.system not in systems]
     started = time.monotonic()
     for system in systems:
         print(f"[compare] starting {system}", flush=True)
@@ -345,7 +372,8 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - one broken system must not sink the others
             print(f"[compare] {system} failed: {exc}", flush=True)
             results += [Result(system, w.name, error=str(exc)) for w in workloads(args.quick)]
-    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+        # After every system, so a run stopped early keeps what it measured.
+        (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     print(f"\nmodel {args.model} ({args.dtype}), {NUM_PREFILL} prefill + {NUM_DECODE} decode, "
           f"{'pinned' if pin else 'unpinned'}, KV pool {kv_tokens} tokens per instance, "
           f"{time.monotonic() - started:.0f} s")  # fmt: skip
