@@ -31,6 +31,7 @@ import aiohttp
 from aiohttp import web
 
 from banaserve.cluster.load_board import LoadBoard
+from banaserve.cluster.prometheus import render_metrics
 from banaserve.cluster.request_shape import (
     GENERATION_PATHS,
     RequestShape,
@@ -175,11 +176,15 @@ class Gateway:
                 logger.warning("prefill on %s answered %d: %s", url, status, data[:300])
                 self.counters.retries += 1
                 continue
-            try:
-                self.board.count_prompt(url, *computed_prompt_tokens(shape.path, json.loads(data)))
-            except ValueError:
-                pass
+            self._count_prompt(url, shape.path, data)
             return None
+
+    def _count_prompt(self, url: str, path: str, reply: bytes) -> None:
+        """Book the prompt tokens an instance's JSON reply says it computed."""
+        try:
+            self.board.count_prompt(url, *computed_prompt_tokens(path, json.loads(reply)))
+        except ValueError:
+            pass  # not JSON: nothing to book
 
     async def _post_json(self, url: str, payload: dict[str, Any]) -> tuple[int, bytes]:
         assert self.session is not None
@@ -244,11 +249,7 @@ class Gateway:
             if "text/event-stream" not in content_type:
                 data = await self._race(upstream.read(), url)
                 if upstream.status == 200:
-                    try:
-                        prompt = computed_prompt_tokens(shape.path, json.loads(data))
-                        self.board.count_prompt(url, *prompt)
-                    except ValueError:
-                        pass
+                    self._count_prompt(url, shape.path, data)
                 return web.Response(
                     status=upstream.status, body=data, headers={"Content-Type": content_type}
                 )
@@ -376,8 +377,6 @@ class Gateway:
         return web.json_response(state)
 
     async def handle_metrics(self, _: web.Request) -> web.Response:
-        from banaserve.cluster.prometheus import render_metrics
-
         return web.Response(
             text=render_metrics(self.cluster_state()), content_type="text/plain", charset="utf-8"
         )
