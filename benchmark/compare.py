@@ -36,6 +36,7 @@ run. ``--quick`` runs stock_cache_aware and banaserve on smaller workloads, in a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -113,6 +114,7 @@ class Result:
     duration_s: float = 0.0
     completed: int = 0
     per_prefill: list[int] = field(default_factory=list)
+    per_decode: list[int] = field(default_factory=list)
     prefill_hit_rate: float = 0.0
     error: str = ""
 
@@ -218,14 +220,15 @@ def run_workload(
 ) -> Result:
     result = Result(system, workload.name)
     flush(running)
-    before = scrape(running.prefill_urls)
+    urls = running.prefill_urls + running.decode_urls
+    before = scrape(urls)
     result_file = out / f"{system}-{workload.name}.jsonl"
     argv = [
         sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
         "--base-url", running.url, "--model", model, "--tokenizer", model,
         "--num-prompts", str(workload.num_prompts), "--max-concurrency",
         str(workload.max_concurrency), "--seed", str(workload.seed),
-        "--output-file", str(result_file),
+        "--output-file", str(result_file), "--output-details",
         "--disable-tqdm", *workload.dataset_args,
     ]  # fmt: skip
     print(f"[compare] {system} / {workload.name}: {workload.num_prompts} requests", flush=True)
@@ -237,22 +240,37 @@ def run_workload(
         return result
     data = json.loads(result_file.read_text().splitlines()[-1])
     result = result_from_bench(system, workload.name, data)
-    after = scrape(running.prefill_urls)
+    after = scrape(urls)
+    if system == "banaserve":
+        with contextlib.suppress(OSError):
+            state = urllib.request.urlopen(f"{running.url}/cluster", timeout=30).read()
+            (out / f"{system}-{workload.name}-cluster.json").write_bytes(state)
 
     def delta(name: str, i: int) -> float:
         return after[i].get(name, 0.0) - before[i].get(name, 0.0)
 
     n = len(running.prefill_urls)
-    result.per_prefill = [int(delta("sglang:num_requests_total", i)) for i in range(n)]
-    prompt = sum(delta("sglang:prompt_tokens_total", i) for i in range(n))
-    cached = sum(delta("sglang:cached_tokens_total", i) for i in range(n))
+    requests = [int(delta("sglang:num_requests_total", i)) for i in range(len(urls))]
+    result.per_prefill, result.per_decode = requests[:n], requests[n:]
+    # Instances that compute prompts: stock decode instances receive the KV instead, while
+    # BanaServe's compute the prompts they serve directly.
+    computing = range(len(urls) if system == "banaserve" else n)
+    prompt = sum(delta("sglang:prompt_tokens_total", i) for i in computing)
+    cached = sum(delta("sglang:cached_tokens_total", i) for i in computing)
     result.prefill_hit_rate = cached / prompt if prompt else 0.0
     return result
 
 
+def per_instance(r: Result) -> str:
+    """Requests each prefill | each decode instance served, e.g. ``43,43|10``."""
+    decode = ",".join(map(str, r.per_decode)) or "?"
+    return f"{','.join(map(str, r.per_prefill)) or '?'}|{decode}"
+
+
 def print_table(results: list[Result]) -> None:
     header = (f"{'system':<20}{'workload':<16}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>10}"
-              f"{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'dur s':>7}  per prefill   hit")  # fmt: skip
+              f"{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'dur s':>7}  {'requests P|D':<17}"
+              "hit")  # fmt: skip
     print(header)
     for r in results:
         if r.error:
@@ -260,7 +278,7 @@ def print_table(results: list[Result]) -> None:
             continue
         print(f"{r.system:<20}{r.workload:<16}{r.req_per_s:>7.2f}{r.output_tok_per_s:>10.1f}"
               f"{r.ttft_p50_ms:>10.0f}{r.ttft_p99_ms:>9.0f}{r.tpot_p50_ms:>10.1f}"
-              f"{r.tpot_p99_ms:>8.1f}{r.duration_s:>7.1f}  {str(r.per_prefill):<13}"
+              f"{r.tpot_p99_ms:>8.1f}{r.duration_s:>7.1f}  {per_instance(r):<17}"
               f"{r.prefill_hit_rate:>4.0%}")  # fmt: skip
 
 
@@ -331,6 +349,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quick", action="store_true", help="2 systems, smaller workloads")
     parser.add_argument("--systems", default=None, help="comma-separated subset of systems")
+    parser.add_argument(
+        "--workloads", default=None, help="comma-separated subset of hotspot,cache_pressure,uniform"
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
     parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool of each instance")
     parser.add_argument("--out", type=Path, default=None)
@@ -354,6 +375,13 @@ def main() -> None:
     if args.systems:
         systems = args.systems.split(",")
     pin = not args.no_pin
+    chosen = workloads(args.quick)
+    if args.workloads:
+        names = args.workloads.split(",")
+        unknown = set(names) - {w.name for w in chosen}
+        if unknown:
+            parser.error(f"unknown workloads {sorted(unknown)}")
+        chosen = [w for w in chosen if w.name in names]
     results: list[Result] = []
     for folder in args.include:
         results += [r for r in results_in(folder) if r.system not in systems]
@@ -367,11 +395,11 @@ def main() -> None:
             context = start_stock(args.model, policy, out, pin, kv_tokens, args.dtype)
         try:
             with context as running:
-                for workload in workloads(args.quick):
+                for workload in chosen:
                     results.append(run_workload(system, running, workload, args.model, out))
         except Exception as exc:  # noqa: BLE001 - one broken system must not sink the others
             print(f"[compare] {system} failed: {exc}", flush=True)
-            results += [Result(system, w.name, error=str(exc)) for w in workloads(args.quick)]
+            results += [Result(system, w.name, error=str(exc)) for w in chosen]
         # After every system, so a run stopped early keeps what it measured.
         (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     print(f"\nmodel {args.model} ({args.dtype}), {NUM_PREFILL} prefill + {NUM_DECODE} decode, "

@@ -16,8 +16,15 @@ from aiohttp import web
 
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.load_board import LoadBoard
+from banaserve.cluster.placement import Placer
 from banaserve.cluster.prometheus import render_metrics
-from banaserve.cluster.request_shape import CHAT, GENERATE, prefill_body, shape_request
+from banaserve.cluster.request_shape import (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    prefill_body,
+    shape_request,
+)
 from banaserve.cluster.run import instance_launch_argv
 from banaserve.cluster.topology import DECODE, PREFILL, InstanceSpec, plan_cores, plan_instances
 from banaserve.router.policies import POLICY_NAMES, make_policy
@@ -98,10 +105,9 @@ def test_request_shape_and_prefill_body() -> None:
     sent = prefill_body(CHAT, chat)
     assert (sent["max_tokens"], sent["n"], sent["stream"]) == (1, 1, False)
     assert "logprobs" not in sent
-    # max_new_tokens 0 fills a cache (SGLang's frontend): no handoff for it.
-    assert not shape_request(GENERATE, {"text": "y" * 4000, "sampling_params": {
-        "max_new_tokens": 0}}).wants_prefill(256)  # fmt: skip
-    assert shape_request(GENERATE, {"text": "y" * 4000}).wants_prefill(256)
+    # Token ids are matched as text, so requests sharing an id prefix share a text prefix.
+    ids = shape_request(GENERATE, {"input_ids": [11, 12, 13]}).prompt
+    assert ids.startswith("[11, 12") and shape_request(COMPLETIONS, {"prompt": [11, 12]}).prompt
 
 
 def test_metrics_render_every_instance() -> None:
@@ -137,7 +143,7 @@ async def gateway_for(specs: list[InstanceSpec]) -> AsyncIterator[str]:
     board = LoadBoard(specs)
     gateway = Gateway(
         board, make_policy("round_robin", PREFILL), make_policy("round_robin", DECODE),
-        handoff_min_tokens=10,
+        placer=Placer(handoff_min_tokens=10),
     )  # fmt: skip
     runner = web.AppRunner(gateway.app())
     await runner.setup()
@@ -198,6 +204,74 @@ def test_prefill_refusal_reaches_the_client_and_no_instance_is_a_503() -> None:
                 assert status == 503 and "No instance could serve" in text
                 status, _ = await post(f"{url}/generate", {"text": "hi"})
                 assert status == 503
+
+    asyncio.run(scenario())
+
+
+def test_a_prompt_the_cluster_holds_skips_the_prefill_step() -> None:
+    seen: list[tuple[int, int]] = []  # (port, max_new_tokens) per request an instance got
+
+    def recording(port_of: Callable[[], int]) -> Handler:
+        async def handler(request: web.Request) -> web.Response:
+            body = await request.json()
+            seen.append((port_of(), body["sampling_params"]["max_new_tokens"]))
+            return web.json_response({"text": "ok"})
+
+        return handler
+
+    async def scenario() -> None:
+        ports: dict[str, int] = {}
+        async with (
+            upstream(recording(lambda: ports["p"])) as ports["p"],
+            upstream(recording(lambda: ports["d"])) as ports["d"],
+        ):
+            specs = [InstanceSpec("prefill-0", PREFILL, ports["p"]),
+                     InstanceSpec("decode-0", DECODE, ports["d"])]  # fmt: skip
+            async with gateway_for(specs) as url:
+                assert (await post(f"{url}/generate", LONG))[0] == 200
+                assert seen == [(ports["p"], 1), (ports["d"], 5)]  # the handoff
+                seen.clear()
+                question = {"text": LONG["text"] + "why?", "sampling_params": {
+                    "max_new_tokens": 5}}  # fmt: skip
+                for _ in range(4):
+                    assert (await post(f"{url}/generate", question))[0] == 200
+                # Prefix known: one request each, no prefill step, over both instances.
+                assert sorted(seen) == sorted([(ports["p"], 5), (ports["d"], 5)] * 2)
+                seen.clear()
+                long_output = {"text": LONG["text"], "sampling_params": {"max_new_tokens": 99}}
+                for _ in range(2):
+                    assert (await post(f"{url}/generate", long_output))[0] == 200
+                assert seen == [(ports["d"], 99)] * 2  # decoding stays on decode instances
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_on_a_new_prefix_waits_for_its_prefill_step() -> None:
+    events: list[str] = []
+
+    async def slow_prefill(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["sampling_params"]["max_new_tokens"] == 1:
+            events.append("prefill started")
+            await asyncio.sleep(0.5)
+            events.append("prefill done")
+        else:
+            events.append("served")
+        return web.json_response({"text": "ok"})
+
+    async def scenario() -> None:
+        async with upstream(slow_prefill) as port:
+            specs = [InstanceSpec("prefill-0", PREFILL, port)]
+            async with gateway_for(specs) as url:
+                follower = {"text": LONG["text"] + "why?", "sampling_params": {
+                    "max_new_tokens": 5}}  # fmt: skip
+                first = asyncio.create_task(post(f"{url}/generate", LONG))
+                await asyncio.sleep(0.1)
+                answers = await asyncio.gather(
+                    *(post(f"{url}/generate", follower) for _ in range(3))
+                )
+                assert all(status == 200 for status, _ in [*answers, await first])
+        assert events == ["prefill started", "prefill done"] + ["served"] * 4
 
     asyncio.run(scenario())
 

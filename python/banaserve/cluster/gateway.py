@@ -1,12 +1,14 @@
 """The cluster's HTTP front: SGLang's API on one port, routed over prefill and decode instances.
 
-Per generation request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``):
+Per generation request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``), after
+:mod:`banaserve.cluster.placement` has decided whether it needs a handoff:
 
-1. *Prefill* (prompts of at least ``handoff_min_tokens``): one token of the request on the
-   prefill instance the policy picks; that instance writes the prompt's KV pages to the store.
-   A prefill that cannot be reached is retried on another; if none answers, step 2 computes
-   the prompt itself (slower, never wrong). A 4xx (bad input) goes back to the client as is.
-2. *Decode*: the unchanged request on the decode instance the policy picks, whose answer
+1. *Prefill* (handoff only): one token of the request on the prefill instance the policy
+   picks; that instance writes the prompt's KV pages to the store. A prefill that cannot be
+   reached is retried on another; if none answers, step 2 computes the prompt itself (slower,
+   never wrong). A 4xx (bad input) goes back to the client as is.
+2. *Decode*: the unchanged request on the instance the decode policy picks among the decode
+   instances (and the prefill instances too, for a short direct request), whose answer
    (streamed or not) goes back to the client byte for byte. With no decode instance healthy,
    a prefill instance serves the whole request, so the cluster keeps serving.
 
@@ -31,6 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from banaserve.cluster.load_board import LoadBoard
+from banaserve.cluster.placement import Placement, Placer
 from banaserve.cluster.prometheus import render_metrics
 from banaserve.cluster.request_shape import (
     GENERATION_PATHS,
@@ -46,10 +49,9 @@ logger = logging.getLogger("banaserve.cluster")
 
 T = TypeVar("T")
 
-#: Prompts shorter than this skip the prefill step: SGLang's HiCache does not look up the
-#: store for fewer new tokens (its prefetch threshold), so a handoff would gain nothing.
-HANDOFF_MIN_TOKENS = 256
 JSON = "application/json"
+#: The longest a direct request waits for the prefill step of the handoff it follows.
+FOLLOW_WAIT_S = 30.0
 #: Paths answered by any one instance (they describe the model, not one instance's state).
 INFO_PATHS = ("/v1/models", "/get_model_info", "/model_info", "/get_server_info",
               "/server_info")  # fmt: skip
@@ -70,6 +72,8 @@ class GatewayCounters:
     requests: int = 0
     handoffs: int = 0
     direct: int = 0
+    direct_on_prefill: int = 0
+    followed: int = 0
     retries: int = 0
     errors: int = 0
     fallbacks_to_prefill: int = 0
@@ -86,14 +90,15 @@ class Gateway:
         prefill_policy: Policy,
         decode_policy: Policy,
         count_tokens: Callable[[str], int] | None = None,
-        handoff_min_tokens: int = HANDOFF_MIN_TOKENS,
+        placer: Placer | None = None,
         extra_info: Callable[[], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self.board = board
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.count_tokens = count_tokens
-        self.handoff_min_tokens = handoff_min_tokens
+        self.placer = placer if placer is not None else Placer()
+        self._prefilling: dict[str, asyncio.Event] = {}  # by prompt, handoffs in prefill
         self.extra_info = extra_info
         self.counters = GatewayCounters()
         self.session: aiohttp.ClientSession | None = None
@@ -139,19 +144,35 @@ class Gateway:
         if not isinstance(body, dict):
             return error_response(400, "The request body must be a JSON object.")
         shape = shape_request(path, body, self.count_tokens)
-        if shape.wants_prefill(self.handoff_min_tokens) and self.board.healthy(PREFILL):
-            refused = await self._prefill(shape, body)
+        placement = self.placer.place(shape)
+        if placement.handoff:
+            done = self._prefilling.setdefault(shape.prompt, asyncio.Event())
+            try:
+                refused = await self._prefill(shape, body)
+            finally:
+                self.placer.prefilled(shape.prompt)
+                done.set()
+                if self._prefilling.get(shape.prompt) is done:
+                    del self._prefilling[shape.prompt]
             if refused is not None:
                 return refused
             self.counters.handoffs += 1
+            placement = Placement(handoff=True, uncached_tokens=0, any_role=False)
         else:
             self.counters.direct += 1
-        return await self._decode(request, shape, raw)
+            followed = self._prefilling.get(placement.follows or "")
+            if followed is not None:
+                self.counters.followed += 1
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(followed.wait(), FOLLOW_WAIT_S)
+        return await self._decode(request, shape, raw, placement)
 
     async def _prefill(self, shape: RequestShape, body: dict[str, Any]) -> web.Response | None:
         """Run the prompt on a prefill instance. Returns the response to give the client when
         the instance refused the request (4xx), else None (also when no prefill could be
         reached: the decode instance then computes the prompt itself)."""
+        if not self.board.healthy(PREFILL):
+            return None
         payload = prefill_body(shape.path, body)
         tried: set[str] = set()
         while True:
@@ -191,8 +212,10 @@ class Gateway:
         async with self.session.post(url, json=payload) as response:
             return response.status, await response.read()
 
-    def _decode_candidates(self) -> list[Any]:
+    def _decode_candidates(self, any_role: bool) -> list[Any]:
         candidates = self.board.healthy(DECODE)
+        if any_role:
+            return candidates + self.board.healthy(PREFILL)
         if candidates:
             return candidates
         fallback = self.board.healthy(PREFILL)
@@ -203,13 +226,18 @@ class Gateway:
         return fallback
 
     async def _decode(
-        self, request: web.Request, shape: RequestShape, raw: bytes
+        self, request: web.Request, shape: RequestShape, raw: bytes, placement: Placement
     ) -> web.StreamResponse:
+        """Serve the request on a decode instance (or, for ``placement.any_role``, any one).
+        ``placement.uncached_tokens`` count as the instance's queued prefill work meanwhile."""
         assert self.session is not None
         tried: set[str] = set()
         last_error = "no decode instance is healthy"
+        prefill_tokens = placement.uncached_tokens
         while True:
-            candidates = [c for c in self._decode_candidates() if c.url not in tried]
+            candidates = [
+                c for c in self._decode_candidates(placement.any_role) if c.url not in tried
+            ]
             if not candidates:
                 self.counters.errors += 1
                 return error_response(
@@ -222,7 +250,9 @@ class Gateway:
                 self.counters.errors += 1
                 return error_response(503, str(exc), "ServiceUnavailableError")
             tried.add(url)
-            self.board.begin(url, 0)
+            if self.board.loads[url].role == PREFILL:
+                self.counters.direct_on_prefill += 1
+            self.board.begin(url, prefill_tokens)
             try:
                 return await self._relay(request, url, shape, raw)
             except (aiohttp.ClientError, OSError, InstanceGone) as exc:
@@ -231,7 +261,7 @@ class Gateway:
                 self.board.mark_failed(url, f"decode request failed: {exc!r}")
                 self.counters.retries += 1
             finally:
-                self.board.end(url, 0)
+                self.board.end(url, prefill_tokens)
                 self.decode_policy.on_done(url, shape.prompt)
 
     async def _relay(
@@ -357,11 +387,14 @@ class Gateway:
         counters = self.counters
         return {
             "policy": {"prefill": self.prefill_policy.name, "decode": self.decode_policy.name},
-            "handoff_min_tokens": self.handoff_min_tokens,
+            "handoff_min_tokens": self.placer.handoff_min_tokens,
+            "in_place_max_new_tokens": self.placer.in_place_max_new_tokens,
             "gateway": {
                 "requests": counters.requests,
                 "handoffs": counters.handoffs,
                 "direct": counters.direct,
+                "direct_on_prefill": counters.direct_on_prefill,
+                "followed": counters.followed,
                 "retries": counters.retries,
                 "errors": counters.errors,
                 "fallbacks_to_prefill": counters.fallbacks_to_prefill,

@@ -1,11 +1,11 @@
 """What the gateway needs to know about a request body, and the body it sends to prefill.
 
-Handoff through the store: the gateway first asks a prefill instance for one token of the
-request, which makes that instance compute the prompt's KV and write its pages to the store;
-then it sends the request unchanged to a decode instance, which finds the prompt's pages in
-the store (waiting for them if they are still being written) and only computes the last,
-partial page before decoding. Any prefill pairs with any decode: nothing but the store
-connects them.
+Handoff through the store (when :mod:`banaserve.cluster.placement` chooses it): the gateway
+first asks a prefill instance for one token of the request, which makes that instance compute
+the prompt's KV and write its pages to the store; then it sends the request unchanged to a
+decode instance, which finds the prompt's pages in the store (waiting for them if they are
+still being written) and only computes the last, partial page before decoding. Any prefill
+pairs with any decode: nothing but the store connects them.
 """
 
 from __future__ import annotations
@@ -34,11 +34,6 @@ class RequestShape:
     stream: bool
     max_new_tokens: int | None  # None: the server's default
 
-    def wants_prefill(self, min_tokens: int) -> bool:
-        """Worth a handoff: a prompt long enough for the store to matter, and a request that
-        generates (``max_new_tokens`` 0 only fills a cache, as SGLang's frontend does)."""
-        return self.prompt_tokens >= min_tokens and self.max_new_tokens != 0
-
 
 def _text_of(value: Any) -> str:
     if isinstance(value, str):
@@ -51,12 +46,16 @@ def _text_of(value: Any) -> str:
 
 
 def prompt_text(path: str, body: dict[str, Any]) -> str:
+    """The prompt as text for prefix matching; token ids (``input_ids``, a completions prompt
+    of ids) as their decimal string, so equal id prefixes still match."""
     if path == CHAT:
         messages = body.get("messages") or []
         return "\n".join(_text_of(m.get("content")) for m in messages if isinstance(m, dict))
-    if path == COMPLETIONS:
-        return _text_of(body.get("prompt"))
-    return _text_of(body.get("text"))
+    key, ids_key = ("prompt", "prompt") if path == COMPLETIONS else ("text", "input_ids")
+    text = _text_of(body.get(key))
+    if not text and _token_count_of_ids(body, ids_key) is not None:
+        text = repr(body[ids_key])
+    return text
 
 
 def _token_count_of_ids(body: dict[str, Any], key: str) -> int | None:

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.load_board import LoadBoard, poll_forever
+from banaserve.cluster.placement import Placer
 from banaserve.cluster.processes import ClusterProcesses, default_log_dir
 from banaserve.cluster.topology import DECODE, PREFILL, plan_cores, plan_instances
 from banaserve.server.cli import (
@@ -152,7 +153,7 @@ async def serve_gateway(
         make_policy(options.router_policy, PREFILL),
         make_policy(options.router_policy, DECODE),
         count_tokens,
-        options.handoff_min_tokens,
+        Placer(options.handoff_min_tokens, options.in_place_max_new_tokens),
         extra_info,
     )
     runner = web.AppRunner(gateway.app(), access_log=None)

@@ -52,7 +52,7 @@ DEFAULT_EVICTION_INTERVAL_S = 120.0
 DEFAULT_MAX_TREE_SIZE = 2**26
 
 
-def _common_prefix_len(a: str, b: str) -> int:
+def common_prefix_len(a: str, b: str) -> int:
     """Length of the common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -98,7 +98,7 @@ class ApproxRadixTree:
             child = node.children.get(text[i])
             if child is None:
                 break
-            shared = _common_prefix_len(child.text, text[i:])
+            shared = common_prefix_len(child.text, text[i:])
             i += shared
             if shared < len(child.text):
                 break
@@ -116,7 +116,7 @@ class ApproxRadixTree:
                 node.children[text[i]] = leaf
                 self.size += len(leaf.text)
                 return
-            shared = _common_prefix_len(child.text, text[i:])
+            shared = common_prefix_len(child.text, text[i:])
             if shared < len(child.text):
                 # Split the edge: node -> mid(shared part) -> child(rest). Size is unchanged.
                 mid = _Node(child.text[:shared], node, child.last_access)

@@ -22,6 +22,7 @@ CLUSTER_VALUE_FLAGS = (
     "--num-decode",
     "--router-policy",
     "--handoff-min-tokens",
+    "--in-place-max-new-tokens",
     "--cluster-log-dir",
 )
 CLUSTER_SWITCHES = ("--cpu-affinity",)
@@ -48,6 +49,7 @@ class ClusterOptions:
     cpu_affinity: bool
     handoff_min_tokens: int
     log_dir: str | None
+    in_place_max_new_tokens: int = 16
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
@@ -60,9 +62,11 @@ class ClusterOptions:
             raise ValueError("a cluster needs at least one instance (--num-prefill/--num-decode)")
         if args.handoff_min_tokens < 0:
             raise ValueError("--handoff-min-tokens must not be negative")
+        if args.in_place_max_new_tokens < 0:
+            raise ValueError("--in-place-max-new-tokens must not be negative")
         return cls(
             prefill, decode, args.router_policy, args.cpu_affinity,
-            args.handoff_min_tokens, args.cluster_log_dir,
+            args.handoff_min_tokens, args.cluster_log_dir, args.in_place_max_new_tokens,
         )  # fmt: skip
 
 
@@ -200,8 +204,17 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         "--handoff-min-tokens",
         type=int,
         default=256,
-        help="Prompts at least this long go through a prefill instance; shorter ones go "
-        "straight to a decode instance (default: 256, SGLang's store prefetch threshold).",
+        help="Prompts with at least this many tokens not yet computed anywhere in the cluster "
+        "go through a prefill instance; others go straight to one instance (default: 256, "
+        "SGLang's store prefetch threshold).",
+    )
+    cluster.add_argument(
+        "--in-place-max-new-tokens",
+        type=int,
+        default=16,
+        help="A request that needs no prefill step and generates at most this many tokens may "
+        "run whole on a prefill instance too, balancing over every instance (default: 16; "
+        "0 keeps decoding on decode instances).",
     )
     cluster.add_argument(
         "--cluster-log-dir",

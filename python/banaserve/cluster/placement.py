@@ -1,0 +1,140 @@
+"""Where a request runs: through the prefill -> store -> decode handoff, or whole on one instance.
+
+The handoff pays when a prompt has much left to compute: a prefill instance takes that heavy
+step, so long prefills never stall the decode instances' batches. It costs a second request
+and the last partial page computed twice (once on each side), which is nothing next to a long
+prefill but doubles the work of a prompt whose prefix the cluster already holds, such as a
+popular system prompt with a short question. The store makes a prefix computed anywhere
+available everywhere, so what decides is the prompt's *uncached* part, not its length:
+
+- uncached part of at least ``handoff_min_tokens``: handoff;
+- otherwise the request goes straight to one instance. Any instance can serve it, because the
+  store gives each one the cached prefix. A decode instance takes it; a prefill instance may
+  too when the request generates at most ``in_place_max_new_tokens`` tokens, a decode phase too
+  short to disturb its prefills. Direct requests then balance over all instances.
+
+The gateway cannot see the instances' caches, so it keeps its own approximate index of the
+prompts the cluster has computed (text prefixes, as sglang-router's trees, least recently used
+first out when full). A prompt enters the index when it is placed. A direct request whose
+cached prefix comes from a handoff still in its prefill step *follows* it: the gateway holds
+it until that step ends, so a burst on a new system prompt computes it once and every other
+request of the burst loads it, instead of each instance computing it for the requests it
+admitted meanwhile (the store's claims would make them wait too, but only once their own
+instance looks the pages up). The index may be wrong (the store evicted a page, an instance
+failed): then the instance computes more itself, slower but never wrong.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from banaserve.cluster.request_shape import RequestShape
+from banaserve.router.cache_aware import ApproxRadixTree, common_prefix_len
+
+#: SGLang's HiCache does not look up the store for fewer new tokens than this (its prefetch
+#: threshold), so a handoff of fewer uncached tokens gains nothing.
+HANDOFF_MIN_TOKENS = 256
+#: Requests generating at most this many tokens (and needing no handoff) may run whole on a
+#: prefill instance.
+IN_PLACE_MAX_NEW_TOKENS = 16
+#: The index holds at most this many characters of prompt text (about 64 MiB).
+INDEX_MAX_CHARS = 2**26
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The gateway's plan for one request."""
+
+    handoff: bool  # a prefill instance computes the prompt first
+    uncached_tokens: int  # estimated prompt tokens no cache in the cluster holds
+    any_role: bool  # the (direct) request may run on a prefill instance as well as a decode
+    follows: str | None = None  # a handoff's prompt, still in its prefill step, to wait for
+
+
+class PromptIndex:
+    """The prompts the cluster has computed, as text prefixes; bounded, least recently used
+    out first. Not locked: the gateway uses it from its event loop only."""
+
+    def __init__(self, max_chars: int = INDEX_MAX_CHARS) -> None:
+        if max_chars <= 0:
+            raise ValueError(f"max_chars must be positive, got {max_chars}")
+        self.max_chars = max_chars
+        self._tree = ApproxRadixTree()
+        self._clock = 0
+
+    def cached_fraction(self, text: str) -> float:
+        """The fraction of ``text``'s characters that is a prefix some indexed prompt shares."""
+        if not text:
+            return 0.0
+        return self._tree.match_len(text) / len(text)
+
+    def add(self, text: str) -> None:
+        if not text:
+            return
+        self._clock += 1
+        self._tree.insert(text, self._clock)
+        if self._tree.size > self.max_chars:
+            # Down to 7/8 so a full index does not walk the tree on every insert.
+            self._tree.evict_to(self.max_chars - self.max_chars // 8)
+
+    @property
+    def size_chars(self) -> int:
+        return self._tree.size
+
+
+class Placer:
+    """Decides :class:`Placement` per request and records the prompt as computed.
+
+    A handoff is *pending* from :meth:`place` until the gateway calls :meth:`prefilled`
+    with its prompt (whether the prefill step succeeded or not). Not locked: one event loop.
+    """
+
+    def __init__(
+        self,
+        handoff_min_tokens: int = HANDOFF_MIN_TOKENS,
+        in_place_max_new_tokens: int = IN_PLACE_MAX_NEW_TOKENS,
+        index: PromptIndex | None = None,
+    ) -> None:
+        if handoff_min_tokens < 0 or in_place_max_new_tokens < 0:
+            raise ValueError(
+                "handoff_min_tokens and in_place_max_new_tokens must not be negative, got "
+                f"{handoff_min_tokens} and {in_place_max_new_tokens}"
+            )
+        self.handoff_min_tokens = handoff_min_tokens
+        self.in_place_max_new_tokens = in_place_max_new_tokens
+        self.index = index if index is not None else PromptIndex()
+        self._pending: Counter[str] = Counter()
+
+    def place(self, shape: RequestShape) -> Placement:
+        cached = self.index.cached_fraction(shape.prompt)
+        uncached = round(shape.prompt_tokens * (1.0 - cached))
+        self.index.add(shape.prompt)
+        # max_new_tokens 0 only fills a cache (SGLang's frontend does it): nothing to hand off.
+        handoff = uncached >= self.handoff_min_tokens and shape.max_new_tokens != 0
+        short = shape.max_new_tokens is not None and (
+            shape.max_new_tokens <= self.in_place_max_new_tokens
+        )
+        if handoff:
+            self._pending[shape.prompt] += 1
+            return Placement(handoff=True, uncached_tokens=uncached, any_role=short)
+        return Placement(False, uncached, short, self._followed(shape))
+
+    def prefilled(self, prompt: str) -> None:
+        """The prefill step of a handoff placed with ``prompt`` has ended."""
+        self._pending[prompt] -= 1
+        if self._pending[prompt] <= 0:
+            del self._pending[prompt]
+
+    def _followed(self, shape: RequestShape) -> str | None:
+        """The pending handoff whose prompt shares the longest prefix with this one, if that
+        prefix is long enough to be worth waiting for (``handoff_min_tokens``)."""
+        if not self._pending or not shape.prompt:
+            return None
+        best, best_len = None, 0
+        for prompt in self._pending:
+            shared = common_prefix_len(prompt, shape.prompt)
+            if shared > best_len:
+                best, best_len = prompt, shared
+        shared_tokens = shape.prompt_tokens * best_len / len(shape.prompt)
+        return best if best_len and shared_tokens >= max(1, self.handoff_min_tokens) else None
