@@ -55,29 +55,6 @@ def test_hicache_host_pools_keep_a_cpu_sized_reserve() -> None:
 
 
 @needs_no_driver
-def test_an_idle_scheduler_with_waiting_requests_polls_briefly() -> None:
-    # --sleep-on-idle polls for a second per idle pass; requests waiting for KV from the store
-    # made passes idle and waited seconds for nothing. With requests waiting: 5 ms polls.
-    run = run_python(
-        "import types, zmq\n"
-        "from sglang.srt.managers import scheduler\n"
-        "from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper\n"
-        "socket = zmq.Context().socket(zmq.PULL)\n"
-        "sleeper = IdleSleeper([socket])\n"
-        "timeouts = []\n"
-        "poll = sleeper.poller.poll\n"
-        "sleeper.poller.poll = lambda t: timeouts.append(t) or poll(t)\n"
-        "fake = types.SimpleNamespace(idle_sleeper=sleeper, waiting_queue=['req'])\n"
-        "scheduler.Scheduler.maybe_sleep_on_idle(fake)\n"
-        "fake.waiting_queue = []\n"
-        "scheduler.Scheduler.maybe_sleep_on_idle(fake)\n"
-        "print(timeouts)\n"
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[-2] == "[5, 1000]"
-
-
-@needs_no_driver
 def test_torch_native_attention_scratch_is_zeroed() -> None:
     # Its extend path ran attention over uninitialised query rows; denormals there made CPU
     # attention ~90x slower. Zeroed scratch keeps the kept rows bit for bit.

@@ -56,14 +56,6 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             # The store makes a prefix computed anywhere loadable here: wait for it rather
             # than compute it again (a down shard answers at once, as a miss).
             sglang_argv += ["--hicache-storage-prefetch-policy", "wait_complete"]
-        retry_flag = "--hicache-storage-prefetch-retry-poll-interval"
-        retry_set = any(a.startswith(retry_flag) for a in argv)
-        if kv_store.mode == "hicache" and kv_store.coalesce_wait_s > 0 and not retry_set:
-            # With coalescing a miss is final: pages being computed anywhere are claimed, and
-            # a lookup waits for them instead of missing. SGLang's re-polls of a miss (every 8
-            # scheduling passes, 8 times) would only hold the request back: with
-            # --sleep-on-idle an idle pass takes up to a second, so about a minute.
-            sglang_argv += [retry_flag, "0"]
 
     model_path = args.model_path
     if model_path is None:

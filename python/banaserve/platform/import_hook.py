@@ -5,8 +5,7 @@ scheduler and detokenizer processes SGLang spawns without editing SGLang's files
 one set lookup per import, and does nothing at all where CUDA is usable. Besides
 ``sgl_kernel`` (see :mod:`banaserve.platform.sgl_kernel_fallback`) it patches a few SGLang
 modules right after they execute (see :mod:`banaserve.platform.hicache_cpu`,
-:mod:`banaserve.platform.pd_cpu`, :mod:`banaserve.platform.idle_wake` and
-:mod:`banaserve.platform.sdpa_cpu`).
+:mod:`banaserve.platform.pd_cpu` and :mod:`banaserve.platform.sdpa_cpu`).
 """
 
 from __future__ import annotations
@@ -20,11 +19,10 @@ from collections.abc import Callable, Sequence
 from banaserve.platform.detect import cpu_platform_wanted
 from banaserve.platform.environment import apply_cpu_environment
 from banaserve.platform.hicache_cpu import POST_IMPORT_PATCHES as _HICACHE_PATCHES
-from banaserve.platform.idle_wake import POST_IMPORT_PATCHES as _IDLE_PATCHES
 from banaserve.platform.pd_cpu import POST_IMPORT_PATCHES as _PD_PATCHES
 from banaserve.platform.sdpa_cpu import POST_IMPORT_PATCHES as _SDPA_PATCHES
 
-POST_IMPORT_PATCHES = {**_HICACHE_PATCHES, **_PD_PATCHES, **_IDLE_PATCHES, **_SDPA_PATCHES}
+POST_IMPORT_PATCHES = {**_HICACHE_PATCHES, **_PD_PATCHES, **_SDPA_PATCHES}
 
 _WATCHED = frozenset({"sglang", "sgl_kernel", *POST_IMPORT_PATCHES})
 
