@@ -120,8 +120,9 @@ class Result:
 
 
 def instance_args(kv_tokens: int, dtype: str) -> list[str]:
+    # --enable-metrics: the per-instance request counts and hit rates come from /metrics.
     return ["--dtype", dtype, "--max-total-tokens", str(kv_tokens), "--page-size", "16",
-            "--log-level", "warning"]  # fmt: skip
+            "--log-level", "warning", "--enable-metrics"]  # fmt: skip
 
 
 @contextmanager
