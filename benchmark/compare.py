@@ -59,6 +59,10 @@ from banaserve.utils.processes import ManagedProcess, exit_on_sigterm, free_port
 
 NUM_PREFILL, NUM_DECODE = 2, 1
 START_TIMEOUT_S = 900.0
+#: The embedded store's RAM. Cache pressure's prefixes take about 2.4 GB; with 6 GB, the store,
+#: three instances' KV and HiCache host pools filled this 23 GB machine and the kernel killed an
+#: instance (out of memory).
+STORE_GB = 3
 STOCK_POLICIES = ("cache_aware", "round_robin", "power_of_two")
 
 
@@ -134,7 +138,7 @@ def start_banaserve(
         sys.executable, "-m", "banaserve.launch_server", "--model-path", model,
         "--num-prefill", str(NUM_PREFILL), "--num-decode", str(NUM_DECODE),
         "--port", str(port), "--cluster-log-dir", str(out / "banaserve"),
-        "--kv-store", "embedded", "--kv-store-capacity-gb", "6",
+        "--kv-store", "embedded", "--kv-store-capacity-gb", str(STORE_GB),
         *instance_args(kv_tokens, dtype), *(["--cpu-affinity"] if cores else []),
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
