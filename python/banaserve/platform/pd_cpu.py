@@ -39,6 +39,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from banaserve.platform.module_view import ModuleView, view_torch_of
+
 
 class _CpuEvent:
     """Stands in for ``torch.cuda.Event``: CPU work is complete when its call returns."""
@@ -59,30 +61,6 @@ class _CpuEvent:
         return True
 
 
-class _CudaView:
-    """``torch.cuda`` with ``Event`` replaced; every other name is the real module's."""
-
-    Event = _CpuEvent
-
-    def __init__(self, real: types.ModuleType) -> None:
-        self._real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
-class _TorchView:
-    """``torch`` as ``disaggregation/prefill.py`` sees it: ``cuda`` is a :class:`_CudaView`,
-    every other name is the real module's."""
-
-    def __init__(self, real: types.ModuleType) -> None:
-        self._real = real
-        self.cuda = _CudaView(real.cuda)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
 def patch_mooncake_conn(module: types.ModuleType) -> None:
     """Senders hand the scheduler's page indices over synchronously (no pinned copy)."""
     sender = getattr(module, "MooncakeKVSender", None)
@@ -92,9 +70,9 @@ def patch_mooncake_conn(module: types.ModuleType) -> None:
 
 def patch_prefill(module: types.ModuleType) -> None:
     """Give ``disaggregation/prefill.py`` a ``torch.cuda.Event`` that works on the CPU."""
-    real = getattr(module, "torch", None)
-    if isinstance(real, types.ModuleType):
-        module.torch = _TorchView(real)  # type: ignore[attr-defined]
+    import torch
+
+    view_torch_of(module, cuda=ModuleView(torch.cuda, Event=_CpuEvent))
 
 
 POST_IMPORT_PATCHES: dict[str, Callable[[types.ModuleType], None]] = {

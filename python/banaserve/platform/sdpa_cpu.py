@@ -19,25 +19,14 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import Any
 
-
-class _ZeroingTorch:
-    """``torch`` with ``empty``/``empty_like`` zero-filled; every other name is the real one."""
-
-    def __init__(self, real: types.ModuleType) -> None:
-        self._real = real
-        self.empty = real.zeros
-        self.empty_like = real.zeros_like
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+from banaserve.platform.module_view import view_torch_of
 
 
 def patch_torch_native_backend(module: types.ModuleType) -> None:
-    real = getattr(module, "torch", None)
-    if isinstance(real, types.ModuleType):
-        module.torch = _ZeroingTorch(real)  # type: ignore[attr-defined]
+    import torch
+
+    view_torch_of(module, empty=torch.zeros, empty_like=torch.zeros_like)
 
 
 POST_IMPORT_PATCHES: dict[str, Callable[[types.ModuleType], None]] = {

@@ -49,7 +49,7 @@ class ClusterOptions:
     cpu_affinity: bool
     handoff_min_tokens: int
     log_dir: str | None
-    in_place_max_new_tokens: int = 16
+    in_place_max_new_tokens: int
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
