@@ -206,23 +206,49 @@ def test_byte_range_and_layer_range(url: str) -> None:
             client.get(keys[:1], [bytearray(4)], byte_range=(0, 8))
 
 
-def test_shm_segment_grows_and_is_unlinked(store: StoreProcess) -> None:
+def test_shm_segment_grows_and_leaves_no_name_behind(store: StoreProcess) -> None:
     big = 1 << 20
     keys = keys_for("big pages", 20)  # 20 MiB: more than the initial 16 MiB segment
     data = pages(20, big, seed=3)
-    client = KvStoreClient(store.shm_url, token=TOKEN)
-    try:
+    with KvStoreClient(store.shm_url, token=TOKEN) as client:
         assert client.put(keys, data) == [True] * 20
         out = [np.empty(big, np.uint8) for _ in keys]
         assert client.get(keys, out) == [True] * 20
         assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
         transport = client._shards[0]._idle[0]
         assert transport.segment_bytes >= 20 * big  # type: ignore[attr-defined]
-        name = transport._segment.name  # type: ignore[attr-defined]
-        assert os.path.exists(f"/dev/shm/{name}")
+        # Both sides have it mapped, so its name is gone from /dev/shm already.
+        assert not os.path.exists(f"/dev/shm/{transport._segment.name}")  # type: ignore[attr-defined]
+
+
+def test_killed_shm_client_leaves_nothing_in_dev_shm(store: StoreProcess) -> None:
+    script = (
+        "import sys, numpy as np\n"
+        "from banaserve.kvstore.client import KvStoreClient\n"
+        f"client = KvStoreClient({store.shm_url!r}, token={TOKEN!r})\n"
+        "assert client.put([b'k' * 32], [np.ones(1 << 20, np.uint8)]) == [True]\n"
+        "print(client._shards[0]._idle[0]._segment.name, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert child.stdout is not None
+        name = child.stdout.readline().strip()
+        assert name, "the client did not connect"
     finally:
-        client.close()
+        # The whole group, as when a cluster is killed: Python's resource tracker goes too,
+        # so nothing is left to unlink a named segment.
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
     assert not os.path.exists(f"/dev/shm/{name}")
+    with KvStoreClient(store.url, token=TOKEN) as client:  # the server is unharmed
+        assert client.exists([b"k" * 32]) == [True]
 
 
 def _spy_streamed(monkeypatch: pytest.MonkeyPatch) -> list[bool]:

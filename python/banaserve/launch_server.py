@@ -24,6 +24,7 @@ from banaserve.server.cli import (
     split_banaserve_args,
 )
 from banaserve.server.kv_pool_sizing import size_kv_pool
+from banaserve.server.memory_plan import host_pool_ratio
 from banaserve.utils.processes import ManagedProcess
 
 # The .pth file normally installed the hook already; this covers running from a source tree,
@@ -43,8 +44,10 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
     ours, sglang_argv = split_banaserve_args(argv)
     notes: list[str] = []
     try:
-        kv_store = KvStoreOptions.from_args(ours)
         cluster = ClusterOptions.from_args(ours)
+        if cluster is not None and ours.kv_store is None:
+            ours.kv_store = "embedded"  # a cluster always has a store: its own by default
+        kv_store = KvStoreOptions.from_args(ours)
     except ValueError as exc:
         parser.error(str(exc))
     if kv_store is not None:
@@ -76,8 +79,14 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             sglang_argv += ["--device", "cpu"]
         if not args.sleep_on_idle:
             sglang_argv.append("--sleep-on-idle")
-        if args.max_total_tokens is None and Path(model_path, "config.json").is_file():
-            size = size_kv_pool(Path(model_path), ours.kv_pool_memory_fraction, args.dtype)
+        config = Path(model_path, "config.json")
+        # A cluster's instances size their own shares (see the cluster's memory plan).
+        if cluster is None and args.max_total_tokens is None and config.is_file():
+            uses_hicache = kv_store is not None and kv_store.mode == "hicache"
+            ratio = host_pool_ratio(uses_hicache, args.hicache_ratio, args.hicache_size)
+            size = size_kv_pool(
+                Path(model_path), ours.kv_pool_memory_fraction, args.dtype, host_ratio=ratio
+            )
             sglang_argv += ["--max-total-tokens", str(size.tokens)]
             notes.append(
                 f"KV pool {size.tokens} tokens ({size.tokens * size.bytes_per_token / 2**30:.2f}"
@@ -125,16 +134,17 @@ def add_openai_request_guard(served_names: list[str]) -> None:
 
 def run_cluster_or_exit(argv: list[str], plan: LaunchConfig) -> None:
     from banaserve.cluster.run import run_cluster
+    from banaserve.server.memory_plan import MemoryPlanError
     from banaserve.utils.processes import ChildFailed
 
-    assert plan.cluster is not None
+    assert plan.cluster is not None and plan.kv_store is not None
     logging.getLogger("banaserve.cluster").handlers = logger.handlers
     logging.getLogger("banaserve.cluster").setLevel(logging.INFO)
     logging.getLogger("banaserve.cluster").propagate = False
     args = build_parser().parse_args(argv)
     try:
         run_cluster(argv, args, plan.cluster, plan.kv_store, plan.served_names[1])
-    except ChildFailed as exc:
+    except (ChildFailed, MemoryPlanError) as exc:
         logger.error("the cluster failed to start: %s", exc)
         sys.exit(1)
     except KeyboardInterrupt:

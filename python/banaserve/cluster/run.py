@@ -26,6 +26,7 @@ from banaserve.cluster.load_board import LoadBoard, poll_forever
 from banaserve.cluster.placement import Placer
 from banaserve.cluster.processes import ClusterProcesses, default_log_dir
 from banaserve.cluster.topology import DECODE, PREFILL, plan_cores, plan_instances
+from banaserve.platform import cpu_platform_wanted
 from banaserve.server.cli import (
     CLUSTER_SWITCHES,
     CLUSTER_VALUE_FLAGS,
@@ -33,6 +34,8 @@ from banaserve.server.cli import (
     KvStoreOptions,
     drop_flags,
 )
+from banaserve.server.kv_pool_sizing import available_memory_bytes, size_kv_pool
+from banaserve.server.memory_plan import MemoryPlan, host_pool_ratio, plan_memory
 from banaserve.utils.processes import ChildFailed, ManagedProcess, exit_on_sigterm, free_port
 
 logger = logging.getLogger("banaserve.cluster")
@@ -79,24 +82,47 @@ def token_counter(model_path: str) -> Callable[[str], int] | None:
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def store_options(options: KvStoreOptions | None) -> KvStoreOptions:
-    if options is not None:
-        return options
-    return KvStoreOptions(
-        urls=[], embedded=True, token=None, replication=1, capacity_gb=2.0, tenant=""
+def memory_plan(
+    args: argparse.Namespace, store: KvStoreOptions, model_path: str, instances: int
+) -> MemoryPlan | None:
+    """The cluster's host-memory plan on the CPU engine; None where pools are device memory,
+    the model is not a local folder, or the user turned BanaServe's CPU defaults off."""
+    if not cpu_platform_wanted() or args.no_cpu_defaults:
+        return None
+    model_dir = Path(model_path)
+    if not (model_dir / "config.json").is_file():
+        return None
+    available = available_memory_bytes()
+    uses_hicache = store.mode == "hicache"  # the linker loads into the KV pool: no host pool
+    ratio = host_pool_ratio(uses_hicache, args.hicache_ratio, args.hicache_size)
+    tokens = (
+        args.max_total_tokens
+        or size_kv_pool(
+            model_dir, args.kv_pool_memory_fraction / instances, args.dtype, available, ratio
+        ).tokens
     )
+    return plan_memory(
+        model_dir, instances, tokens, args.dtype, ratio,
+        args.hicache_size if uses_hicache else 0.0,
+        store.capacity_gb if store.embedded else 0.0, available,
+    )  # fmt: skip
 
 
 def run_cluster(
     argv: list[str], args: argparse.Namespace, options: ClusterOptions,
-    store: KvStoreOptions | None, model_path: str,
+    store: KvStoreOptions, model_path: str,
 ) -> None:  # fmt: skip
-    """Run the cluster until Ctrl-C/SIGTERM; raise ChildFailed when start-up fails."""
+    """Run the cluster until Ctrl-C/SIGTERM; raise ChildFailed when start-up fails and
+    MemoryPlanError, before starting anything, when the plan does not fit in host memory."""
     from banaserve.kvstore import TOKEN_ENV
     from banaserve.kvstore.embedded import start_embedded_store
 
     exit_on_sigterm()  # so a SIGTERM during start-up still stops what was started
-    store = store_options(store)
+    count = options.num_prefill + options.num_decode
+    memory = memory_plan(args, store, model_path, count)
+    if memory is not None:
+        logger.info("memory plan: %s", memory.describe())
+        memory.check()
     log_dir = Path(options.log_dir) if options.log_dir else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     logger.info("cluster logs in %s", log_dir)
@@ -109,7 +135,6 @@ def run_cluster(
         logger.info("embedded KV store at %s (pid %d)", url, store_process.pid)
     processes = ClusterProcesses(log_dir, store_process)
     try:
-        count = options.num_prefill + options.num_decode
         cores = plan_cores(count, sorted(os.sched_getaffinity(0))) if options.cpu_affinity else None
         ports: set[int] = set()
         while len(ports) < count:

@@ -114,8 +114,9 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         "--kv-pool-memory-fraction",
         type=float,
         default=0.2,
-        help="On the CPU, the fraction of available host memory given to the KV pool when "
-        "--max-total-tokens is not set (default: 0.2).",
+        help="On the CPU, the fraction of available host memory given to the KV pool, and "
+        "with the KV store to its HiCache host pool too, when --max-total-tokens is not set; "
+        "a cluster divides it among its instances (default: 0.2).",
     )
     group.add_argument(
         "--no-cpu-defaults",

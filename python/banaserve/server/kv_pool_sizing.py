@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     "float32": 4,
     "float": 4,
     "bfloat16": 2,
@@ -55,18 +55,23 @@ def kv_bytes_per_token(model_dir: Path, dtype: str = "auto") -> int:
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
     if dtype == "auto":
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    item = _DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
+    item = DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
     return 2 * layers * kv_heads * head_dim * item
 
 
 def size_kv_pool(
-    model_dir: Path, memory_fraction: float, dtype: str = "auto", available: int | None = None
-) -> KvPoolSize:
-    """Tokens that fit in ``memory_fraction`` of the available host memory, clamped."""
+    model_dir: Path, memory_fraction: float, dtype: str = "auto", available: int | None = None,
+    host_ratio: float = 0.0,
+) -> KvPoolSize:  # fmt: skip
+    """Tokens that fit in ``memory_fraction`` of the available host memory, clamped.
+
+    ``host_ratio``: a HiCache host pool of that many times the KV pool comes out of the same
+    budget (on the CPU both are host RAM).
+    """
     if not 0.0 < memory_fraction <= 0.9:
         raise ValueError(f"KV pool memory fraction must be in (0, 0.9], got {memory_fraction}")
     available = available_memory_bytes() if available is None else available
     per_token = kv_bytes_per_token(model_dir, dtype)
     budget = int(available * memory_fraction)
-    tokens = max(MIN_TOKENS, min(MAX_TOKENS, budget // per_token))
+    tokens = max(MIN_TOKENS, min(MAX_TOKENS, int(budget / (1.0 + host_ratio)) // per_token))
     return KvPoolSize(tokens, per_token, budget, available)

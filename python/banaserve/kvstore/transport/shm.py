@@ -2,8 +2,11 @@
 
 For a server on the same host. The client creates the segment, announces it in HELLO, and
 owns it: it grows it (a new, larger segment announced with SHM_ATTACH) when a request needs
-more, and unlinks it on close. One request at a time uses the segment (a transport is driven by
-one thread), so the layout is simply: request payload, or reply payload, from offset 0.
+more. Once the server has mapped a segment, the client unlinks its name: the memory lives
+while either side has it mapped and goes back to the kernel when both are gone, even if the
+client is killed (a named segment would stay in /dev/shm, holding RAM, until reboot).
+One request at a time uses the segment (a transport is driven by one thread), so the layout
+is simply: request payload, or reply payload, from offset 0.
 A PUT copies the caller's buffers into the segment and the server reads them from there.
 
 A GET is pipelined: the request names a ``progress`` word, 8 bytes at the end of the segment
@@ -61,16 +64,21 @@ def create_segment(size: int) -> shared_memory.SharedMemory:
     return segment
 
 
+def unlink_name(segment: shared_memory.SharedMemory) -> None:
+    """Remove the segment's name from /dev/shm (once); mappings stay valid."""
+    try:
+        segment.unlink()  # also drops it from this process's resource tracker
+    except FileNotFoundError:
+        pass
+
+
 def destroy_segment(segment: shared_memory.SharedMemory) -> None:
     """Unmap and unlink; never raises (a lingering view only delays the unmap to GC)."""
     try:
         segment.close()
     except BufferError:
         pass
-    try:
-        segment.unlink()
-    except FileNotFoundError:
-        pass
+    unlink_name(segment)
 
 
 class ShmTransport(TcpTransport):
@@ -86,7 +94,9 @@ class ShmTransport(TcpTransport):
 
     def connect(self, token: str | None) -> dict[str, Any]:
         self._segment = create_segment(INITIAL_SEGMENT_BYTES)
-        return super().connect(token)  # closes (and unlinks) on failure
+        reply = super().connect(token)  # closes (and unlinks) on failure
+        unlink_name(self._segment)  # the server mapped it in HELLO
+        return reply
 
     def _hello(self, token: str | None) -> dict[str, Any]:
         hello = super()._hello(token)
@@ -195,6 +205,7 @@ class ShmTransport(TcpTransport):
         except BaseException:
             destroy_segment(segment)
             raise
+        unlink_name(segment)
         old, self._segment = self._segment, segment
         destroy_segment(old)
 
