@@ -59,9 +59,8 @@ from banaserve.utils.processes import ManagedProcess, exit_on_sigterm, free_port
 
 NUM_PREFILL, NUM_DECODE = 2, 1
 START_TIMEOUT_S = 900.0
-#: The embedded store's RAM. Cache pressure's prefixes take about 2.4 GB; with 6 GB, the store,
-#: three instances' KV and HiCache host pools filled this 23 GB machine and the kernel killed an
-#: instance (out of memory).
+#: The embedded store's RAM: cache pressure's prefixes take about 2.4 GB. The cluster's memory
+#: plan (logged at start) shows what the store, pools and processes take of this machine.
 STORE_GB = 3
 STOCK_POLICIES = ("cache_aware", "round_robin", "power_of_two")
 
