@@ -91,7 +91,8 @@ def test_cluster_that_cannot_fit_fails_before_starting_anything(
         [sys.executable, "-m", "banaserve.launch_server", "--model-path", str(tiny_model),
          "--num-prefill", "1", "--num-decode", "1", "--kv-store-capacity-gb", "100000",
          "--cluster-log-dir", str(tmp_path / "logs")],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "BANASERVE_PLATFORM": "cpu"},
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "BANASERVE_PLATFORM": "cpu"},
     )  # fmt: skip
     assert run.returncode == 1, run.stderr[-2000:]
     assert "the cluster failed to start" in run.stderr
