@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPE_BYTES = {
+_DTYPE_BYTES = {
     "float32": 4,
     "float": 4,
     "bfloat16": 2,
@@ -53,10 +53,14 @@ def kv_bytes_per_token(model_dir: Path, dtype: str = "auto") -> int:
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    return 2 * layers * kv_heads * head_dim * dtype_bytes(config, dtype)
+
+
+def dtype_bytes(config: dict, dtype: str = "auto") -> int:
+    """Bytes per element of ``dtype``; ``auto`` means the dtype the model config stores."""
     if dtype == "auto":
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    item = DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
-    return 2 * layers * kv_heads * head_dim * item
+    return _DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
 
 
 def size_kv_pool(

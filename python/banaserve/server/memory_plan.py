@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from banaserve.server.kv_pool_sizing import DTYPE_BYTES, kv_bytes_per_token
+from banaserve.server.kv_pool_sizing import dtype_bytes, kv_bytes_per_token
 
 #: Resident memory of one instance's processes besides its pools and weights: the scheduler's
 #: runtime and activations, the tokenizer and the detokenizer (PSS measured on the CPU engine
@@ -87,9 +87,7 @@ def weights_bytes(model_dir: Path, dtype: str = "auto") -> int:
     if dtype == "auto" or not config_path.is_file():
         return stored
     config = json.loads(config_path.read_text())
-    stored_dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    stored_item = DTYPE_BYTES.get(stored_dtype.removeprefix("torch."), 4)
-    return stored * DTYPE_BYTES.get(dtype, stored_item) // stored_item
+    return stored * dtype_bytes(config, dtype) // dtype_bytes(config)
 
 
 def plan_memory(
