@@ -145,3 +145,79 @@ def test_speculative_stand_ins_explain_themselves() -> None:
     op = sgl_kernel_fallback._unavailable("verify_tree_greedy_cpu")
     with pytest.raises(NotImplementedError, match="Speculative decoding is not supported"):
         op()
+
+
+def extend_inputs(lengths: list[int], prefixes: list[int], dtype: torch.dtype) -> dict:
+    """A batch of sequences in a KV cache, with random (never zero) queries, keys and values.
+
+    The same ``lengths`` give the same tensors whatever ``prefixes`` are cached: the query of
+    a position is the same row in every batch built from them."""
+    generator = torch.Generator().manual_seed(sum(lengths))
+    heads, kv_heads, dim, slots = 6, 2, 16, 4096
+    req_to_token = torch.zeros(len(lengths) + 1, max(lengths), dtype=torch.int64)
+    free = torch.randperm(slots, generator=generator)
+    for i, length in enumerate(lengths):
+        req_to_token[i + 1, :length] = free[:length]
+        free = free[length:]
+    full_query = torch.randn(sum(lengths), heads, dim, generator=generator).to(dtype)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    query = torch.cat(
+        [full_query[s + p : s + n] for s, p, n in zip(starts, prefixes, lengths, strict=True)]
+    )
+    new = [n - p for n, p in zip(lengths, prefixes, strict=True)]
+    return {
+        "query": query,
+        "output": torch.full_like(query, float("nan")),
+        "k_cache": torch.randn(slots, kv_heads, dim, generator=generator).to(dtype),
+        "v_cache": torch.randn(slots, kv_heads, dim, generator=generator).to(dtype),
+        "req_to_token": req_to_token,
+        "req_pool_indices": torch.arange(1, len(lengths) + 1),
+        "seq_lens": torch.tensor(lengths),
+        "extend_prefix_lens": torch.tensor(prefixes),
+        "extend_seq_lens": torch.tensor(new),
+        "scaling": dim**-0.5,
+        "enable_gqa": True,
+        "causal": True,
+    }
+
+
+def reference_extend(inputs: dict) -> torch.Tensor:
+    """Float64 causal attention of each new token over its sequence, written out longhand."""
+    outs, start = [], 0
+    for seq, (prefix, new) in enumerate(
+        zip(inputs["extend_prefix_lens"].tolist(), inputs["extend_seq_lens"].tolist(), strict=True)
+    ):
+        tokens = inputs["req_to_token"][inputs["req_pool_indices"][seq], : prefix + new]
+        q = inputs["query"][start : start + new].double()  # [new, heads, dim]
+        k = inputs["k_cache"][tokens].double().repeat_interleave(3, dim=1)
+        v = inputs["v_cache"][tokens].double().repeat_interleave(3, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * inputs["scaling"]
+        visible = torch.arange(prefix + new)[None, :] <= (prefix + torch.arange(new))[:, None]
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", weights, v))
+        start += new
+    return torch.cat(outs)
+
+
+@needs_no_driver
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_attention_is_the_same_cached_or_not(dtype: torch.dtype) -> None:
+    # Only the new rows are computed, and a row comes out bit for bit the same whatever part
+    # of its sequence was cached (greedy output must not depend on the cache).
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    extend = TorchNativeAttnBackend._run_sdpa_forward_extend
+    assert getattr(extend, "__wrapped__", None) is not None, "the import hook did not patch it"
+    lengths = [16, 70, 513, 1001, 1056]
+    nothing_cached = extend(None, **extend_inputs(lengths, [0] * len(lengths), dtype)).clone()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for shift in (1, 15, 16, 31, 32, 33):
+        prefixes = [max(0, n - shift) for n in lengths]  # one new row; pages; a question; ...
+        inputs = extend_inputs(lengths, prefixes, dtype)
+        got = extend(None, **inputs).clone()
+        kept = torch.cat([
+            nothing_cached[sum(lengths[:i]) + p : sum(lengths[: i + 1])]
+            for i, p in enumerate(prefixes)
+        ])  # fmt: skip
+        assert torch.equal(got, kept), f"rows differ when {prefixes} are cached"
+        torch.testing.assert_close(got.double(), reference_extend(inputs), atol=tolerance, rtol=0)
