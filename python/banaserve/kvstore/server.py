@@ -131,6 +131,7 @@ class KvStoreServer:
             "claim_waits": 0,  # LOOKUPs that waited for a key claimed by another owner
             "coalesced": 0,  # keys that became present during such a wait: computations saved
             "wait_timeouts": 0,  # LOOKUPs whose wait ran out with the key still claimed
+            "released": 0,  # claims ended by their owner (RELEASE: a computation given up)
         }
         # Touched only on the serving loop (``self._loop``); other threads go through
         # notify_stored.
@@ -308,7 +309,9 @@ class KvStoreServer:
             reply = await self._lookup(conn, control)
         elif op is Op.RELEASE:
             owner = control["owner"]
-            reply = {"released": [self.claims.release(key, owner) for key in control["keys"]]}
+            released = [self.claims.release(key, owner) for key in control["keys"]]
+            self._counters["released"] += sum(released)
+            reply = {"released": released}
         else:  # pragma: no cover - validate_request lets only the ops above through
             raise ProtocolError(f"unhandled op {op.name}")
         await self._reply(conn, op, header.request_id, reply)

@@ -29,7 +29,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from banaserve.kvstore.keys import KvLayout, namespaced_key
-from banaserve.sglang_ext import request_context
+from banaserve.sglang_ext import abort_release, request_context
 from banaserve.sglang_ext.store_attachment import instance_namespace, open_client
 
 logger = logging.getLogger(__name__)
@@ -88,8 +88,11 @@ class BanaServeKvStore(HiCacheStorage):
         self.client = open_client(extra, "the banaserve HiCache backend")
         self.coalesce_wait_s = float(extra.get("coalesce_wait_s", 0.0))
         self._owner_prefix = f"{socket.gethostname()}:{os.getpid()}:{storage_config.tp_rank}"
+        self._ledger: abort_release.ClaimLedger | None = None
         if self.coalesce_wait_s > 0:
             request_context.install()
+            self._ledger = abort_release.ClaimLedger(self._release_claims, CLAIM_LEASE_S)
+            abort_release.register(self._ledger)
         self._namespace_digest: bytes | None = None
         self.mem_pool_host: Any = None
 
@@ -138,14 +141,25 @@ class BanaServeKvStore(HiCacheStorage):
         SGLang's prefetch thread, so a wait delays only requests still waiting for their
         prefetch, never the running batch."""
         request_id = request_context.current_request_id()
-        if self.coalesce_wait_s <= 0 or request_id is None:
+        if self._ledger is None or request_id is None:
             return self.client.longest_prefix(self._keys(keys))
-        return self.client.lookup(
-            self._keys(keys),
-            owner=f"{self._owner_prefix}/{request_id}",
+        store_keys = self._keys(keys)
+        hit = self.client.lookup(
+            store_keys,
+            owner=self._owner(request_id),
             wait_s=self.coalesce_wait_s,
             lease_s=CLAIM_LEASE_S,
         )
+        # The missing tail is claimed (where no one else holds it) until this request's
+        # pages are stored, or released if it is aborted first.
+        self._ledger.record(request_id, store_keys[hit:])
+        return hit
+
+    def _owner(self, request_id: str) -> str:
+        return f"{self._owner_prefix}/{request_id}"
+
+    def _release_claims(self, request_id: str, store_keys: list[bytes]) -> None:
+        self.client.release(store_keys, self._owner(request_id))
 
     def batch_get_v1(
         self,
