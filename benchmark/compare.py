@@ -1,6 +1,6 @@
 """BanaServe against SGLang PD as it ships, under ``sglang.bench_serving``, in one run.
 
-Usage: ``python benchmark/compare.py [--quick] [--model PATH] [--out DIR]``
+Usage: ``python benchmark/compare.py [--quick] [--repeat N] [--model PATH] [--out DIR]``
 
 Systems, all with the same model, the same 2 prefill + 1 decode topology and the same core
 pinning (each instance ``taskset`` to its share of the cores, ``OMP_NUM_THREADS`` to match):
@@ -31,6 +31,8 @@ hit rate), writes ``results.json`` and ``compare.png`` to ``--out``, and ends wi
 (on one line): hotspot and uniform are banaserve over ``stock_cache_aware``;
 ``hotspot_vs_best_stock`` and cache pressure are banaserve over the best stock system of the
 run. ``--quick`` runs stock_cache_aware and banaserve on smaller workloads, in about 5 minutes.
+``--repeat N`` runs every workload N times on each started system and reports medians (with
+each run's req/s), for ratios that one noisy run cannot settle.
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +123,8 @@ class Result:
     per_decode: list[int] = field(default_factory=list)
     prefill_hit_rate: float = 0.0
     error: str = ""
+    #: With ``--repeat``: req/s of every run; the other fields are medians over the runs.
+    runs_req_per_s: list[float] = field(default_factory=list)
 
 
 def instance_args(kv_tokens: int, dtype: str) -> list[str]:
@@ -219,6 +224,21 @@ def results_in(folder: Path) -> list[Result]:
     return out
 
 
+def median_result(runs: list[Result]) -> Result:
+    """One result for repeated runs of a system on a workload: each measure's median over the
+    runs that completed (machines here are noisy); per-instance counts of the median run."""
+    done = sorted((r for r in runs if not r.error), key=lambda r: r.req_per_s)
+    if not done:
+        return runs[-1]
+    middle = done[(len(done) - 1) // 2]
+    medians = {
+        name: statistics.median(getattr(r, name) for r in done)
+        for name, kind in Result.__annotations__.items()
+        if kind == "float"
+    }
+    return replace(middle, **medians, runs_req_per_s=[r.req_per_s for r in runs if not r.error])
+
+
 def run_workload(
     system: str, running: Running, workload: Workload, model: str, out: Path
 ) -> Result:
@@ -238,7 +258,8 @@ def run_workload(
     print(f"[compare] {system} / {workload.name}: {workload.num_prompts} requests", flush=True)
     # In ``out``: bench_serving drops a results file in its working directory.
     run = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=out)
-    (out / f"{system}-{workload.name}.log").write_text(run.stdout + run.stderr)
+    with (out / f"{system}-{workload.name}.log").open("a") as log:  # one per repeat
+        log.write(run.stdout + run.stderr)
     if run.returncode != 0 or not result_file.exists():
         result.error = (run.stderr or run.stdout)[-500:]
         return result
@@ -360,11 +381,17 @@ def main() -> None:
     parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool of each instance")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="run each workload this many times on each system and report medians",
+    )  # fmt: skip
+    parser.add_argument(
         "--include", type=Path, nargs="*", default=[],
         help="also report the results of earlier runs in these --out folders (systems this "
         "run does not measure again)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     exit_on_sigterm()  # stop every system's processes on SIGTERM too
     if args.model is None:
         from banaserve.models import default_model_path
@@ -400,7 +427,9 @@ def main() -> None:
         try:
             with context as running:
                 for workload in chosen:
-                    results.append(run_workload(system, running, workload, args.model, out))
+                    runs = [run_workload(system, running, workload, args.model, out)
+                            for _ in range(args.repeat)]  # fmt: skip
+                    results.append(median_result(runs))
         except Exception as exc:  # noqa: BLE001 - one broken system must not sink the others
             print(f"[compare] {system} failed: {exc}", flush=True)
             results += [Result(system, w.name, error=str(exc)) for w in chosen]
@@ -410,6 +439,10 @@ def main() -> None:
           f"{'pinned' if pin else 'unpinned'}, KV pool {kv_tokens} tokens per instance, "
           f"{time.monotonic() - started:.0f} s")  # fmt: skip
     print_table(results)
+    for r in results:
+        if len(r.runs_req_per_s) > 1:
+            rates = ", ".join(f"{x:.2f}" for x in r.runs_req_per_s)
+            print(f"{r.system} / {r.workload}: req/s of each run {rates} (median above)")
     plot(results, out / "compare.png")
     print(summary_line(results))
 
