@@ -120,10 +120,15 @@ def install() -> None:
             return
         from sglang.srt.managers.scheduler import Scheduler
 
-        Scheduler._release_aborted_request = _also_releasing_claims(
-            Scheduler._release_aborted_request
-        )
         _installed = True
+        original = getattr(Scheduler, "_release_aborted_request", None)
+        if original is None:  # another SGLang version: coalescing still works, less promptly
+            logger.warning(
+                "this SGLang has no Scheduler._release_aborted_request: requests waiting for "
+                "an aborted request's pages wait out --kv-store-coalesce-wait-s"
+            )
+            return
+        Scheduler._release_aborted_request = _also_releasing_claims(original)
 
 
 def _also_releasing_claims(original: Any) -> Any:
