@@ -19,12 +19,11 @@ import pytest
 import requests
 
 from banaserve.kvstore.client import KvStoreClient
-from banaserve.kvstore.server import ServerConfig
-from banaserve.kvstore.storage import TieredStore
 from banaserve.sglang_ext.abort_release import ClaimLedger
 from banaserve.utils.processes import ManagedProcess
 from conftest import Server, start_server
 from test_kvstore_claims import Background, server_stats, wait_until, waiting
+from test_kvstore_claims import server as store  # noqa: F401 - a fresh in-process store server
 from test_kvstore_server import TOKEN, InProcessServer, keys_for
 from test_kvstore_sglang import TOKEN as SHARD_TOKEN
 from test_kvstore_sglang import start_shard
@@ -95,18 +94,7 @@ def test_ledger_rejects_a_non_positive_lease() -> None:
         ClaimLedger(lambda rid, keys: None, 0.0)
 
 
-@pytest.fixture
-def store() -> Iterator[InProcessServer]:
-    tiered = TieredStore(16 << 20)
-    server = InProcessServer(tiered, ServerConfig(token=TOKEN))
-    try:
-        yield server
-    finally:
-        server.close()
-        tiered.close()
-
-
-def test_waiter_on_an_aborted_claim_stops_waiting(store: InProcessServer) -> None:
+def test_waiter_on_an_aborted_claim_stops_waiting(store: InProcessServer) -> None:  # noqa: F811
     server, keys = store, keys_for("aborted", 4)
     with KvStoreClient(server.url, token=TOKEN) as a, KvStoreClient(server.url, token=TOKEN) as b:
         ledger = ClaimLedger(lambda rid, ks: a.release(ks, owner=f"A/{rid}"), 60.0)
