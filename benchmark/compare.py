@@ -10,7 +10,10 @@ pinning (each instance ``taskset`` to its share of the cores, ``OMP_NUM_THREADS`
 - ``stock_round_robin`` and ``stock_power_of_two``: the same with load-only policies (balance
   without a shared cache);
 - ``banaserve``: ``launch_server --num-prefill 2 --num-decode 1`` (load_aware routing, the
-  Global KV Cache Store, KV handoff and in-flight coalescing through it).
+  Global KV Cache Store, KV handoff and in-flight coalescing through it);
+- ``banaserve_linker`` (only when named in ``--systems``): the same with
+  ``--kv-store-mode linker``, the layer-wise handoff. The final line always uses ``banaserve``;
+  a ``compare(banaserve_linker) …`` line before it gives the same ratios for this system.
 
 Workloads (prefill-heavy, 4 output tokens, so routing and cache effects show on 2 cores):
 
@@ -133,20 +136,30 @@ def instance_args(kv_tokens: int, dtype: str) -> list[str]:
             "--log-level", "warning", "--enable-metrics"]  # fmt: skip
 
 
+def banaserve_env() -> dict[str, str]:
+    """The environment of BanaServe's processes: the installed package where it has its built
+    extension (``--kv-store-mode linker`` needs ``banaserve._C``), else this source tree."""
+    probe = [sys.executable, "-c", "import banaserve._C"]
+    if subprocess.run(probe, capture_output=True, cwd="/").returncode == 0:
+        return dict(os.environ)
+    return dict(os.environ, PYTHONPATH=str(REPO / "python"))
+
+
 @contextmanager
 def start_banaserve(
-    model: str, out: Path, cores: bool, kv_tokens: int, dtype: str
+    model: str, out: Path, cores: bool, kv_tokens: int, dtype: str, system: str = "banaserve"
 ) -> Iterator[Running]:
     port = free_port()
+    mode = "linker" if system == "banaserve_linker" else "hicache"
     argv = [
         sys.executable, "-m", "banaserve.launch_server", "--model-path", model,
         "--num-prefill", str(NUM_PREFILL), "--num-decode", str(NUM_DECODE),
-        "--port", str(port), "--cluster-log-dir", str(out / "banaserve"),
+        "--port", str(port), "--cluster-log-dir", str(out / system),
         "--kv-store", "embedded", "--kv-store-capacity-gb", str(STORE_GB),
+        "--kv-store-mode", mode,
         *instance_args(kv_tokens, dtype), *(["--cpu-affinity"] if cores else []),
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    process = ManagedProcess("banaserve", argv, out / "banaserve" / "gateway.log", env=env)
+    process = ManagedProcess(system, argv, out / system / "gateway.log", env=banaserve_env())
     try:
         url = f"http://127.0.0.1:{port}"
         process.wait_http_ok(f"{url}/health", START_TIMEOUT_S, progress_every=30)
@@ -266,7 +279,7 @@ def run_workload(
     data = json.loads(result_file.read_text().splitlines()[-1])
     result = result_from_bench(system, workload.name, data)
     after = scrape(urls)
-    if system == "banaserve":
+    if system.startswith("banaserve"):
         with contextlib.suppress(OSError):
             state = urllib.request.urlopen(f"{running.url}/cluster", timeout=30).read()
             (out / f"{system}-{workload.name}-cluster.json").write_bytes(state)
@@ -279,7 +292,7 @@ def run_workload(
     result.per_prefill, result.per_decode = requests[:n], requests[n:]
     # Instances that compute prompts: stock decode instances receive the KV instead, while
     # BanaServe's compute the prompts they serve directly.
-    computing = range(len(urls) if system == "banaserve" else n)
+    computing = range(len(urls) if system.startswith("banaserve") else n)
     prompt = sum(delta("sglang:prompt_tokens_total", i) for i in computing)
     cached = sum(delta("sglang:cached_tokens_total", i) for i in computing)
     result.prefill_hit_rate = cached / prompt if prompt else 0.0
@@ -334,7 +347,10 @@ def plot(results: list[Result], path: Path) -> None:
     print(f"[compare] plot: {path}")
 
 
-def summary_line(results: list[Result]) -> str:
+def summary_line(results: list[Result], system: str = "banaserve") -> str:
+    """The final line: ``system``'s ratios over the stock systems (see the module docstring);
+    a system other than ``banaserve`` is named in the line's first word."""
+
     def get(system: str, workload: str) -> Result | None:
         return next((r for r in results if r.system == system and r.workload == workload
                      and not r.error), None)  # fmt: skip
@@ -350,15 +366,16 @@ def summary_line(results: list[Result]) -> str:
         ]
         return max(rates) if rates else None  # fmt: skip
 
-    ours = {w: get("banaserve", w) for w in ("hotspot", "cache_pressure", "uniform")}
+    ours = {w: get(system, w) for w in ("hotspot", "cache_pressure", "uniform")}
     base = {w: get("stock_cache_aware", w) for w in ("hotspot", "uniform")}
 
     def rate(r: Result | None) -> float | None:
         return r.req_per_s if r else None
 
     hot, hot_base = ours["hotspot"], base["hotspot"]
+    label = "compare" if system == "banaserve" else f"compare({system})"
     return (
-        f"compare hotspot_throughput_ratio={ratio(rate(hot), rate(hot_base))} "
+        f"{label} hotspot_throughput_ratio={ratio(rate(hot), rate(hot_base))} "
         f"hotspot_ttft_p99_ratio="
         f"{ratio(hot.ttft_p99_ms if hot else None, hot_base.ttft_p99_ms if hot_base else None)} "
         f"hotspot_vs_best_stock={ratio(rate(hot), best_stock('hotspot'))} "
@@ -405,6 +422,9 @@ def main() -> None:
         *(f"stock_{p}" for p in STOCK_POLICIES), "banaserve"]  # fmt: skip
     if args.systems:
         systems = args.systems.split(",")
+        known = {*(f"stock_{p}" for p in STOCK_POLICIES), "banaserve", "banaserve_linker"}
+        if set(systems) - known:
+            parser.error(f"unknown systems {sorted(set(systems) - known)}; known: {sorted(known)}")
     pin = not args.no_pin
     chosen = workloads(args.quick)
     if args.workloads:
@@ -419,8 +439,8 @@ def main() -> None:
     started = time.monotonic()
     for system in systems:
         print(f"[compare] starting {system}", flush=True)
-        if system == "banaserve":
-            context = start_banaserve(args.model, out, pin, kv_tokens, args.dtype)
+        if system.startswith("banaserve"):
+            context = start_banaserve(args.model, out, pin, kv_tokens, args.dtype, system)
         else:
             policy = system.removeprefix("stock_")
             context = start_stock(args.model, policy, out, pin, kv_tokens, args.dtype)
@@ -444,6 +464,8 @@ def main() -> None:
             rates = ", ".join(f"{x:.2f}" for x in r.runs_req_per_s)
             print(f"{r.system} / {r.workload}: req/s of each run {rates} (median above)")
     plot(results, out / "compare.png")
+    if any(r.system == "banaserve_linker" for r in results):
+        print(summary_line(results, "banaserve_linker"))
     print(summary_line(results))
 
 

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,23 +51,30 @@ class Cluster:
         return next(i for i in self.state()["instances"] if i["name"] == name)
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    log_dir = tmp_path_factory.mktemp("cluster")
+@contextmanager
+def running_cluster(model: Path, log_dir: Path, *extra_args: str) -> Iterator[Cluster]:
+    """``launch_server`` with 2 prefill + 1 decode instances of ``model``, pinned, until exit."""
     port = free_port()
     argv = [
         sys.executable, "-m", "banaserve.launch_server",
-        "--model-path", str(tiny_model), "--num-prefill", "2", "--num-decode", "1",
+        "--model-path", str(model), "--num-prefill", "2", "--num-decode", "1",
         "--port", str(port), "--max-total-tokens", str(TEST_KV_TOKENS),
         "--kv-store-capacity-gb", "0.5", "--cluster-log-dir", str(log_dir), "--cpu-affinity",
+        *extra_args,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     process = ManagedProcess("cluster", argv, log_dir / "gateway.log", env=env)
     try:
         process.wait_http_ok(f"http://127.0.0.1:{port}/health", SERVER_START_TIMEOUT * 2)
-        yield Cluster(process, f"http://127.0.0.1:{port}", log_dir, tiny_model.name)
+        yield Cluster(process, f"http://127.0.0.1:{port}", log_dir, model.name)
     finally:
         process.stop(grace=60)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tiny_model, tmp_path_factory.mktemp("cluster")) as running:
+        yield running
 
 
 def test_sigterm_during_start_up_stops_everything(tiny_model: Path, tmp_path: Path) -> None:

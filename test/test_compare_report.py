@@ -49,3 +49,16 @@ def test_summary_line_ratios() -> None:
         "hotspot_vs_best_stock=1.60 cache_pressure_throughput_ratio=1.50 "
         "uniform_throughput_ratio=nan"
     )
+
+
+def test_summary_line_of_another_banaserve_system() -> None:
+    results = [
+        run("stock_cache_aware", "hotspot", 1.0, 40_000),
+        run("banaserve", "hotspot", 2.0, 20_000),
+        run("banaserve_linker", "hotspot", 3.0, 10_000),
+    ]
+    assert summary_line(results, "banaserve_linker") == (
+        "compare(banaserve_linker) hotspot_throughput_ratio=3.00 hotspot_ttft_p99_ratio=0.25 "
+        "hotspot_vs_best_stock=3.00 cache_pressure_throughput_ratio=nan "
+        "uniform_throughput_ratio=nan"
+    )

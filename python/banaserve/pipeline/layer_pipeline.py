@@ -52,7 +52,7 @@ import numpy as np
 
 from banaserve import _C
 
-__all__ = ["LayerPipeline", "live_threads"]
+__all__ = ["COMPUTE", "FETCH", "STORE", "LayerPipeline", "live_threads"]
 
 #: A buffer: numpy array, torch tensor, or (address, nbytes).
 Buffer = Any
@@ -61,7 +61,9 @@ Segment = tuple[Buffer, Buffer] | tuple[int, int, int]
 #: One layer's copy in one direction: one segment, or a list of segments (scattered pages).
 Copy = Segment | list[Segment]
 
-_STAGES = {"fetch": 0, "compute": 1, "store": 2}
+#: Stage indices of :meth:`LayerPipeline.timestamps`.
+FETCH, COMPUTE, STORE = 0, 1, 2
+_STAGES = {"fetch": FETCH, "compute": COMPUTE, "store": STORE}
 
 
 def live_threads() -> int:

@@ -162,7 +162,8 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         help="How SGLang reaches the store: 'hicache' (the default: HiCache L3 storage behind "
         "a host KV pool) or 'linker' (SGLang's external linker: prefix KV is loaded from the "
         "store straight into the device pool, layer by layer through BanaServe's pipeline, "
-        "the forward waiting per layer; MHA models only).",
+        "the forward waiting per layer, and new pages leave the device layer by layer during "
+        "the forward; MHA models only).",
     )
 
     store.add_argument(

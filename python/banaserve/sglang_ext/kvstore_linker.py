@@ -18,6 +18,13 @@ namespaces each by model, KV layout, tensor/pipeline-parallel rank and tenant ex
 :class:`banaserve.kvstore.keys.KvLayout` (layer-major, K then V), so the two share pages when
 their model names and hashes agree.
 
+Lookups claim: the missing pages are claimed for this instance, which computes and stores them,
+and a lookup on another instance waits (up to ``lookup_wait_s``, 1 s by default) for claimed
+pages to arrive. That is what makes a prefill -> decode handoff hit: the decode's lookup may
+come before the prefill's offload has landed. An instance never waits for its own claims.
+A request aborted before it computes its pages releases the claims its lookups took
+(:mod:`banaserve.sglang_ext.abort_release`), so that no other instance waits for them.
+
 Loads: every batch that restores pages gets one gated :class:`LayerPipeline`. A reader thread
 pulls layer i of every page of the batch from the store into host staging slot ``i % depth``
 (``client.get_layers``) and announces it with ``source_ready(i)``; the pipeline copies the slot
@@ -27,14 +34,19 @@ store read of later layers overlaps the compute of earlier ones. A miss or error
 batch (``source_failed``); the forward is never interrupted and ``finish`` reports the failure,
 so SGLang aborts the loading requests.
 
-Offloads: whole pages, all layers at once, gathered from the device rows into a host buffer
-and ``client.put`` by a background thread (a layer-wise store is a later step).
+Offloads: the forward's own write of each layer's KV starts that layer's copy to host
+(:class:`banaserve.sglang_ext.layer_store.LayerWiseStore`, the pipeline's store stage, so the
+copies overlap the later layers' compute); ``offload`` picks the captured pages and a background
+thread PUTs them. Pages not captured (written by another kind of forward, or since) are
+gathered from the device rows on that thread instead.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 from collections.abc import Sequence
 from queue import Empty, Queue
@@ -48,11 +60,19 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
 from banaserve.kvstore.keys import KvLayout, namespaced_key
+from banaserve.sglang_ext import abort_release
+from banaserve.sglang_ext.layer_store import DEFAULT_BUDGET_BYTES, LayerWiseStore
 from banaserve.sglang_ext.store_attachment import instance_namespace, open_client
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DEPTH = 3
+#: How long ``lookup`` waits for pages another instance is computing or storing. It runs on the
+#: scheduler thread, so the bound is short: long enough for a prefill instance's offload to
+#: land before the decode instance it handed off to looks the pages up (milliseconds here).
+DEFAULT_LOOKUP_WAIT_S = 1.0
+#: How long this instance's claims on pages it will compute hold without its PUT.
+CLAIM_LEASE_S = 30.0
 
 
 def linker_args(urls: Sequence[str], replication: int = 1, tenant: str = "") -> list[str]:
@@ -221,6 +241,21 @@ class BanaServeLinker(UnifiedCacheLinker):
         else:
             raise ValueError(f"BanaServeLinker: unsupported KV device {self.device}")
         self.depth = max(1, int(extra.get("depth", DEFAULT_DEPTH)))
+        # CUDA: the stream the forward computes on, which every copy is ordered with.
+        self.compute_stream: int | None = None
+        if self.pipeline_device != "cpu" and forward_stream is not None:
+            self.compute_stream = int(forward_stream.cuda_stream)
+        self.layer_store = LayerWiseStore(
+            k_buffers,
+            v_buffers,
+            page_size=self.page_size,
+            row_bytes=self.row_bytes,
+            device=self.pipeline_device,
+            stream=self.compute_stream,
+            budget_bytes=int(extra.get("layer_store_bytes", DEFAULT_BUDGET_BYTES)),
+            start_layer=int(getattr(kvcache, "start_layer", 0) or 0),
+        )
+        self.layer_store.attach(kvcache)
 
         tp_rank, tp_size = 0, 1
         tp_group = getattr(params, "attn_tp_cache_group", None) or getattr(
@@ -240,9 +275,16 @@ class BanaServeLinker(UnifiedCacheLinker):
         )
 
         self.client = open_client(extra, "BanaServeLinker (linker_extra_config)")
+        self.lookup_wait_s = float(extra.get("lookup_wait_s", DEFAULT_LOOKUP_WAIT_S))
+        # One owner per instance, not per request: a lookup runs on the scheduler thread,
+        # which must never wait for a page that only its own next batch will compute.
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:linker:{tp_rank}"
+        self._ledger = abort_release.ClaimLedger(self._release_claims, CLAIM_LEASE_S)
+        abort_release.register(self._ledger)
         self.layer_done_counter = BanaServeLayerCounter(self.num_layers)
         self.pending_loads: dict[str, list[PoolTransfer]] = {}
-        self.offload_queue: Queue[tuple[list[PoolTransfer], list[Any]] | None] = Queue()
+        self.offload_queue: Queue[tuple[PoolTransfer, list[torch.Tensor | None], list[Any]] | None]
+        self.offload_queue = Queue()
         self.offload_results: Queue[bool] = Queue()
         self.stats = {
             "lookup_hits": 0,
@@ -250,7 +292,9 @@ class BanaServeLinker(UnifiedCacheLinker):
             "loaded_pages": 0,
             "failed_loads": 0,
             "offloaded_pages": 0,
+            "offloaded_from_capture": 0,
         }
+        self._offloads = 0
         self.offload_thread = threading.Thread(
             target=self._offload_loop, daemon=True, name=f"banaserve-offload-tp{tp_rank}"
         )
@@ -287,15 +331,21 @@ class BanaServeLinker(UnifiedCacheLinker):
         if kv is None or not kv.keys:
             return []
         try:
-            present = self.client.exists(self._keys(kv.keys))
+            keys = self._keys(kv.keys)
+            hit = self.client.lookup(
+                keys, owner=self.owner, wait_s=self.lookup_wait_s, lease_s=CLAIM_LEASE_S
+            )
         except Exception:  # the store is an optimisation: an error is a miss
             logger.exception("BanaServe linker lookup failed")
             return []
-        hit = next((i for i, ok in enumerate(present) if not ok), len(present))
+        self._ledger.record(rid, keys[hit:])
         if hit:
             self.stats["lookup_hits"] += 1
             logger.debug("BanaServe linker lookup: rid=%s pages=%d", rid, hit)
         return list(range(1, hit + 1))
+
+    def _release_claims(self, rid: str, keys: list[bytes]) -> None:
+        self.client.release(keys, self.owner)
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = self._kv(transfers)
@@ -321,6 +371,7 @@ class BanaServeLinker(UnifiedCacheLinker):
             kv = transfers[0]
             keys.extend(kv.keys)
             rows.extend(self._rows(kv.device_indices))
+        self.layer_store.forget_pages(rows)  # the load overwrites these pages' rows
         batch = self.layer_done_counter.new_batch()
         try:
             self._start_batch(batch, self._keys(keys), rows)
@@ -350,15 +401,12 @@ class BanaServeLinker(UnifiedCacheLinker):
             fetch.append(segments)
         batch.staging = staging
         batch.pages = pages
-        stream = None  # CUDA: order the stream the forward computes on after each fetch
-        if self.pipeline_device != "cpu" and self.forward_stream is not None:
-            stream = int(self.forward_stream.cuda_stream)
         batch.pipeline = LayerPipeline(
             self.num_layers,
             fetch=fetch,
             depth=depth,
             device=self.pipeline_device,
-            stream=stream,
+            stream=self.compute_stream,
             gated=True,
         )
         batch.reader = threading.Thread(
@@ -451,7 +499,9 @@ class BanaServeLinker(UnifiedCacheLinker):
         if indices is None or len(indices) != len(kv.keys) * self.page_size:
             return False
         kv = PoolTransfer(name=PoolName.KV, device_indices=indices, keys=list(kv.keys))
-        self.offload_queue.put(([kv], self.record_offload_ready()))
+        # Resolved on the scheduler thread, before a later forward can remap these pages.
+        captured = self.layer_store.resolve(indices)
+        self.offload_queue.put((kv, captured, self.record_offload_ready()))
         return True
 
     def _offload_loop(self) -> None:
@@ -460,33 +510,56 @@ class BanaServeLinker(UnifiedCacheLinker):
             try:
                 if task is None:
                     return
-                transfers, ready_events = task
+                kv, captured, ready_events = task
                 for event in ready_events:
                     event.synchronize()
-                self.offload_results.put(self._store(transfers[0]))
+                self.offload_results.put(self._store(kv, captured))
             except Exception:
                 logger.exception("BanaServe linker offload failed")
                 self.offload_results.put(False)
             finally:
                 self.offload_queue.task_done()
 
-    def _store(self, kv: PoolTransfer) -> bool:
+    def _store(self, kv: PoolTransfer, captured: Sequence[torch.Tensor | None] = ()) -> bool:
+        """PUT the pages of ``kv`` the store lacks: ``captured[p]`` where the forward's
+        layer-wise copy holds page p, else gathered from the device rows."""
         keys = self._keys(kv.keys)
         present = self.client.exists(keys)
         todo = [p for p, ok in enumerate(present) if not ok]
         if not todo:
             return True
-        pages, layers = len(todo), self.num_layers
-        slots = kv.device_indices.reshape(-1, self.page_size)[todo].reshape(-1)
+        buffers = dict.fromkeys(todo)
+        for p in todo:
+            if p < len(captured) and captured[p] is not None:
+                buffers[p] = captured[p]
+        from_capture = sum(b is not None for b in buffers.values())
+        gather = [p for p in todo if buffers[p] is None]
+        if gather:
+            host = self._gather(kv.device_indices.reshape(-1, self.page_size)[gather].reshape(-1))
+            for i, p in enumerate(gather):
+                buffers[p] = host[i]
+        stored = self.client.put([keys[p] for p in todo], [buffers[p] for p in todo])
+        self.stats["offloaded_pages"] += sum(stored)
+        self.stats["offloaded_from_capture"] += from_capture
+        self._offloads += 1
+        log = logger.info if self._offloads <= self.LOG_FIRST_LOADS else logger.debug
+        log(
+            "BanaServe linker offload: %d pages stored, %d from the layer-wise capture",
+            sum(stored),
+            from_capture,
+        )
+        return all(stored)
+
+    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Store pages (uint8 ``[pages, layers, 2, page bytes]``) of whole-page ``slots``."""
+        pages = len(slots) // self.page_size
         slots = slots.to(self.device, dtype=torch.int64)
-        host = torch.empty((pages, layers, 2, self.half_bytes), dtype=torch.uint8)
-        for layer in range(layers):
+        host = torch.empty((pages, self.num_layers, 2, self.half_bytes), dtype=torch.uint8)
+        for layer in range(self.num_layers):
             for side, buffer in enumerate((self.k_buffers[layer], self.v_buffers[layer])):
                 rows = buffer.index_select(0, slots).view(torch.uint8).reshape(pages, -1)
                 host[:, layer, side].copy_(rows)
-        stored = self.client.put([keys[p] for p in todo], [host[i] for i in range(pages)])
-        self.stats["offloaded_pages"] += sum(stored)
-        return all(stored)
+        return host
 
     def num_completed_offloads(self) -> int:
         return self.offload_results.qsize()
@@ -512,5 +585,7 @@ class BanaServeLinker(UnifiedCacheLinker):
         self.reset()
         self.offload_queue.put(None)
         self.offload_thread.join()
-        logger.info("BanaServe linker stats: %s", self.stats)
+        logger.info(
+            "BanaServe linker stats: %s; layer-wise store: %s", self.stats, self.layer_store.stats
+        )
         self.client.close()
