@@ -202,10 +202,17 @@ def test_bench_serving_runs_against_the_gateway(
 
 
 def test_a_burst_computes_a_shared_prefix_once(cluster: Cluster) -> None:
-    prefix = long_prompt(seed=202, words=500)
+    check_a_burst_computes_a_shared_prefix_once(cluster, seed=202)
+
+
+def check_a_burst_computes_a_shared_prefix_once(
+    cluster: Cluster, seed: int, *, every_request_hits: bool = True
+) -> None:
+    """8 requests sharing a new prefix at once, spread over both prefill instances: the cluster
+    computes the prefix once and (``every_request_hits``) every request finds it cached."""
+    prefix = long_prompt(seed=seed, words=500)
     prompts = [f"{prefix} question {i}: what comes next?" for i in range(8)]
     before = {i["name"]: i for i in cluster.state()["instances"]}
-    store_before = cluster.state()["store"]
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: generate(cluster.url, p), prompts))
     after = {i["name"]: i for i in cluster.state()["instances"]}
@@ -221,11 +228,14 @@ def test_a_burst_computes_a_shared_prefix_once(cluster: Cluster) -> None:
     # each, on the prefill and on the decode side): without coalescing, each prefill
     # instance would compute the prefix itself.
     assert computed < prompt_tokens + 2 * 2 * 16 * len(prompts), (computed, prompt_tokens, after)
-    coalesced = sum(
-        s["server"]["coalesced"] - store_before[url]["server"]["coalesced"]
-        for url, s in cluster.state()["store"].items()
+    # Every request found the prefix cached (on its instance or in the store). Whether a
+    # lookup had to wait for the first one's pages (the store's "coalesced") depends on
+    # timing: the gateway usually holds the others until those pages are stored.
+    hits = [r["meta_info"]["cached_tokens"] for r in results]
+    assert not every_request_hits or all(hit >= prompt_tokens - 2 * 16 for hit in hits), (
+        hits,
+        prompt_tokens,
     )
-    assert coalesced > 0
 
 
 def test_bad_input_gets_a_clear_error(cluster: Cluster) -> None:
