@@ -130,7 +130,6 @@ def bare_linker(client, layers: int, depth: int, rows: int = 64, page: int = 4):
     linker.v_buffers = [torch.zeros(rows, heads, dim) for _ in range(layers)]
     linker.device = torch.device("cpu")
     linker.pipeline_device = "cpu"
-    linker.forward_stream = None
     linker.compute_stream = None
     linker.row_bytes = heads * dim * 4
     linker.half_bytes = linker.row_bytes * page

@@ -195,7 +195,6 @@ class BanaServeLinker(UnifiedCacheLinker):
         forward_stream: Any = None,
     ) -> None:
         extra = dict(extra_config or {})
-        self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         if set(components) - {ComponentType.FULL} or not hasattr(kvcache, "k_buffer"):
@@ -528,10 +527,7 @@ class BanaServeLinker(UnifiedCacheLinker):
         todo = [p for p, ok in enumerate(present) if not ok]
         if not todo:
             return True
-        buffers = dict.fromkeys(todo)
-        for p in todo:
-            if p < len(captured) and captured[p] is not None:
-                buffers[p] = captured[p]
+        buffers = {p: captured[p] if p < len(captured) else None for p in todo}
         from_capture = sum(b is not None for b in buffers.values())
         gather = [p for p in todo if buffers[p] is None]
         if gather:

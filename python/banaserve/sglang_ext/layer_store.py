@@ -57,7 +57,6 @@ class Capture:
     host: torch.Tensor  # uint8 [pages, layers, 2, page rows, row bytes]
     pipeline: LayerPipeline | None
     next_layer: int = 0
-    complete: bool = False
     # Layers whose copy had ended when the forward wrote the last layer (overlap, for logs).
     stored_during_forward: int = 0
     # The pipeline's timestamps (see LayerPipeline.timestamps), once complete.
@@ -150,7 +149,7 @@ class LayerWiseStore:
                 self._drop_open()  # conservative: the forward being captured may be affected
                 self._invalidate(args[slot_arg])
             else:
-                self._forget_all()
+                self._unmap(slice(None))
             return result
 
         return unmapping_write
@@ -204,8 +203,7 @@ class LayerWiseStore:
         loc_np = loc.detach().to("cpu", torch.int64).numpy()
         starts = whole_pages(loc_np, self.page_size)
         pages = loc_np[starts] // self.page_size
-        with self._lock:
-            self._page_capture[np.unique(loc_np // self.page_size)] = -1
+        self._unmap(np.unique(loc_np // self.page_size))
         if not len(pages):
             return
         nbytes = len(pages) * self.page_bytes
@@ -246,7 +244,6 @@ class LayerWiseStore:
         stamps = capture.stamps = pipeline.timestamps()
         ends, last_computed = stamps[:, STORE, 1], stamps[-1, COMPUTE, 1]
         capture.stored_during_forward = int((ends <= last_computed).sum())
-        capture.complete = True
         with self._lock:
             self._captures[capture.forward_id] = capture
             self._page_capture[capture.pages] = capture.forward_id
@@ -271,20 +268,18 @@ class LayerWiseStore:
         if capture is not None and capture.pipeline is not None:
             capture.pipeline.abort()
             self.stats.dropped += 1
-            with self._lock:
-                self._page_capture[capture.pages] = -1
+            self._unmap(capture.pages)
 
     def _invalidate(self, loc: torch.Tensor) -> None:
         """A forward not captured (or another writer) overwrites the pages it writes to."""
         if not self._captures or loc.numel() == 0:
             return
-        pages = np.unique(loc.detach().to("cpu", torch.int64).numpy() // self.page_size)
+        self._unmap(np.unique(loc.detach().to("cpu", torch.int64).numpy() // self.page_size))
+
+    def _unmap(self, pages: np.ndarray | slice) -> None:
+        """These device pages no longer hold what any capture copied."""
         with self._lock:
             self._page_capture[pages] = -1
-
-    def _forget_all(self) -> None:
-        with self._lock:
-            self._page_capture[:] = -1
 
     def _evict(self, keep_bytes: int) -> None:
         with self._lock:
@@ -299,11 +294,8 @@ class LayerWiseStore:
 
     def forget_pages(self, first_rows: Sequence[int]) -> None:
         """Pages about to be overwritten outside ``set_kv_buffer`` (a load from the store)."""
-        if not first_rows:
-            return
-        pages = np.asarray(first_rows, dtype=np.int64) // self.page_size
-        with self._lock:
-            self._page_capture[pages] = -1
+        if first_rows:
+            self._unmap(np.asarray(first_rows, dtype=np.int64) // self.page_size)
 
     def resolve(self, device_indices: torch.Tensor) -> list[torch.Tensor | None]:
         """For each page of ``device_indices`` (token slots, whole pages in order), its
