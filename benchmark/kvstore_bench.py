@@ -59,7 +59,9 @@ class StoreServer:
         argv = [sys.executable, "-m", "banaserve.kvstore.server", "--port", "0"]
         argv += ["--capacity-gb", str(capacity_gb), "--log-level", "warning"]
         if ucx:
-            argv += ["--ucx-port", "0"]
+            # ucxx listens on every interface whatever --host says; the store refuses that
+            # unless told: acceptable for a benchmark on loopback with nothing stored.
+            argv += ["--ucx-port", "0", "--insecure"]
         self.proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from banaserve.kvstore.client import KvStoreClient, byte_view
+from banaserve.kvstore.framing import FrameDecoder, decode_frames
 from banaserve.kvstore.protocol import (
     HEADER,
     HEADER_BYTES,
@@ -22,11 +23,9 @@ from banaserve.kvstore.protocol import (
     MAX_CONTROL_BYTES,
     PROTOCOL_VERSION,
     ErrorCode,
-    FrameDecoder,
     Limits,
     Op,
     ProtocolError,
-    decode_frames,
     decode_header,
     encode_error,
     encode_frame,

@@ -24,16 +24,9 @@ import torch
 
 from banaserve.kvstore import server as server_module
 from banaserve.kvstore.client import KvStoreAuthError, KvStoreClient, KvStoreRemoteError
+from banaserve.kvstore.framing import Frame, FrameDecoder
 from banaserve.kvstore.keys import KvLayout
-from banaserve.kvstore.protocol import (
-    HEADER,
-    MAGIC,
-    PROTOCOL_VERSION,
-    Frame,
-    FrameDecoder,
-    Op,
-    encode_frame,
-)
+from banaserve.kvstore.protocol import HEADER, MAGIC, PROTOCOL_VERSION, Op, encode_frame
 from banaserve.kvstore.server import KvStoreServer, ServerConfig
 from banaserve.kvstore.storage import PageStore, TieredStore
 from banaserve.kvstore.transport import open_transport, parse_url, shm

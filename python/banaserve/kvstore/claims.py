@@ -28,7 +28,9 @@ import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
-#: Keys the table holds at most (~150 bytes each: about 150 MiB at this bound).
+#: About what one claimed key costs the server, in bytes (key, claim, table entry).
+CLAIM_BYTES = 150
+#: Keys the table holds at most (CLAIM_BYTES each: about 150 MiB at this bound).
 DEFAULT_MAX_CLAIMS = 1 << 20
 #: Seconds between full sweeps for expired claims while the table is full.
 _SWEEP_INTERVAL_S = 1.0

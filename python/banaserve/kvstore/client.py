@@ -4,9 +4,11 @@ Failure model: a shard that cannot be reached (refused, reset, timed out, broken
 marked down and retried after :attr:`KvStoreClient.RETRY_AFTER_S` (doubling while it stays
 down, up to :attr:`KvStoreClient.MAX_RETRY_AFTER_S`); meanwhile reads go to the
 other replicas and a page no replica can serve is a miss (the caller recomputes it). A down
-shard never raises. What does raise: :class:`KvStoreAuthError` (wrong or missing token), a
-server that refuses the protocol (version mismatch, shm across hosts), and caller errors
-(``ValueError``/``TypeError``: a key that is not 32 bytes, a buffer of the wrong size).
+shard never raises, nor does a busy one (a BUSY refusal: at its connection or memory bounds,
+the call's pages on it are misses, or not stored; the shard stays up). What does raise:
+:class:`KvStoreAuthError` (wrong or missing token), a server that refuses the protocol (version
+mismatch, shm across hosts), and caller errors (``ValueError``/``TypeError``: a key that is not
+32 bytes, a buffer of the wrong size).
 
 In-flight prefix coalescing: :meth:`KvStoreClient.lookup` asks each key's primary live replica
 for it, waiting (bounded) for keys another owner is computing and claiming the missing tail
@@ -17,212 +19,50 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
-import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
-from banaserve.kvstore.keys import KEY_BYTES, KvLayout
+from banaserve.kvstore.client_args import (
+    byte_view,
+    check_keys,
+    check_range,
+    chunks,
+    length_check,
+    lookup_check,
+    page_views,
+)
+from banaserve.kvstore.keys import KvLayout
 from banaserve.kvstore.protocol import (
-    MAX_KEYS_PER_FRAME,
     MAX_LEASE_MS,
     MAX_OWNER_CHARS,
     MAX_WAIT_MS,
     MISSING,
-    ErrorCode,
-    Limits,
     Op,
     ProtocolError,
 )
+from banaserve.kvstore.shard import Shard, fan_out
 from banaserve.kvstore.sharding import HashRing
 from banaserve.kvstore.transport import (
-    Address,
     KvStoreAuthError,
     KvStoreError,
     KvStoreRemoteError,
-    Transport,
-    open_transport,
     parse_url,
 )
 
 logger = logging.getLogger("banaserve.kvstore.client")
 
-__all__ = ["KvStoreAuthError", "KvStoreClient", "KvStoreError", "KvStoreRemoteError"]
+__all__ = [
+    "KvStoreAuthError",
+    "KvStoreClient",
+    "KvStoreError",
+    "KvStoreRemoteError",
+    "byte_view",
+]
 
 T = TypeVar("T")
-
-
-class _Unavailable(Exception):
-    """A shard could not serve a request; it has been marked down. Never leaves this module."""
-
-
-class _Shard:
-    """One server: a small pool of connections and its up/down state.
-
-    Thread-safe: the pool and the state live under ``_cond``; a connection is lent to one thread
-    at a time and never used under the lock, so threads talk to one shard in parallel, up to
-    ``max_connections``, and a thread beyond that blocks until a connection is returned.
-    """
-
-    def __init__(
-        self,
-        address: Address,
-        token: str | None,
-        timeout: float,
-        max_connections: int,
-        retry_after: float,
-        max_retry_after: float,
-    ) -> None:
-        self.address = address
-        self.url = address.url
-        self.max_payload = Limits().max_payload
-        self._token = token
-        self._timeout = timeout
-        self._max_connections = max_connections
-        self._retry_after = retry_after
-        self._max_retry_after = max(retry_after, max_retry_after)
-        self._failures = 0
-        self._cond = threading.Condition()
-        self._idle: list[Transport] = []
-        self._open = 0
-        self._down = False
-        self._down_until = 0.0
-        self._closed = False
-        self.last_error = ""
-
-    @property
-    def timeout(self) -> float:
-        """Seconds each socket operation may take (a call may extend it for itself)."""
-        return self._timeout
-
-    def available(self) -> bool:
-        """Up, or down long enough that the next call should try it again."""
-        return not self._down or time.monotonic() >= self._down_until
-
-    def call(
-        self,
-        op: Op,
-        control: dict[str, Any],
-        payload: Sequence[memoryview] = (),
-        sink: Callable[[dict[str, Any]], Sequence[memoryview]] | None = None,
-        reply_capacity: int = 0,
-        check: Callable[[dict[str, Any]], object] | None = None,
-        timeout: float | None = None,
-    ) -> dict[str, Any]:
-        """One request on a pooled connection; ``check`` vets the reply (ProtocolError: bad).
-
-        Raises _Unavailable (the shard is now marked down), KvStoreAuthError, or
-        KvStoreError/KvStoreRemoteError for a refusal the caller must see. Blocks for one
-        round trip, each socket operation bounded by the timeout (``timeout`` for this call
-        only, if given: a LOOKUP that the server may hold for its wait).
-        """
-        if not self.available():
-            raise _Unavailable(self.last_error)
-        transport = self._acquire()
-        try:
-            if timeout is not None:
-                _set_timeout(transport, timeout)
-            reply = transport.request(op, control, payload, sink, reply_capacity)
-            if check is not None:
-                check(reply)
-        except KvStoreRemoteError as exc:
-            if exc.code != ErrorCode.INTERNAL.value:
-                raise
-            self._mark_down(exc)
-            raise _Unavailable(str(exc)) from exc
-        except (OSError, ProtocolError) as exc:
-            self._mark_down(exc)
-            raise _Unavailable(str(exc)) from exc
-        else:
-            self._mark_up()  # before the release, which pools connections of live shards only
-            return reply
-        finally:
-            if timeout is not None and transport.connected:
-                _set_timeout(transport, self._timeout)
-            self._release(transport)
-
-    def _acquire(self) -> Transport:
-        with self._cond:
-            while not self._closed and not self._idle and self._open >= self._max_connections:
-                self._cond.wait()
-            if self._closed:
-                raise KvStoreError(f"kv store client for {self.url} is closed")
-            if self._idle:
-                return self._idle.pop()
-            self._open += 1
-        transport: Transport | None = None
-        try:
-            transport = open_transport(self.address, self._timeout)
-            transport.connect(self._token)
-        except (OSError, ProtocolError) as exc:
-            self._forget(transport)
-            self._mark_down(exc)
-            raise _Unavailable(str(exc)) from exc
-        except BaseException:
-            self._forget(transport)
-            raise
-        self.max_payload = transport.max_payload
-        return transport
-
-    def _forget(self, transport: Transport | None) -> None:
-        if transport is not None:
-            transport.close()
-        with self._cond:
-            self._open -= 1
-            self._cond.notify()
-
-    def _release(self, transport: Transport) -> None:
-        with self._cond:
-            if transport.connected and not self._closed and not self._down:
-                self._idle.append(transport)
-                self._cond.notify()
-                return
-        transport.close()
-        self._forget(None)
-
-    def _mark_down(self, exc: BaseException) -> None:
-        reason = f"{type(exc).__name__}: {exc}"
-        with self._cond:
-            was_up = not self._down
-            self._down = True
-            # Back off further while it stays down: a hung host costs a timeout per retry.
-            backoff = min(self._retry_after * 2**self._failures, self._max_retry_after)
-            self._failures += 1
-            self._down_until = time.monotonic() + backoff
-            self.last_error = reason
-            idle, self._idle = self._idle, []
-            self._open -= len(idle)
-            self._cond.notify_all()
-        for transport in idle:  # they share the fate of the one that failed
-            transport.close()
-        if was_up:
-            logger.warning(
-                "kv store shard %s is down (%s): serving from its replicas, retrying in %g s",
-                self.url,
-                reason,
-                backoff,
-            )
-
-    def _mark_up(self) -> None:
-        if not self._down:
-            return
-        with self._cond:
-            was_down, self._down = self._down, False
-            self._failures = 0
-        if was_down:
-            logger.warning("kv store shard %s is back up", self.url)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            idle, self._idle = self._idle, []
-            self._open -= len(idle)
-            self._cond.notify_all()
-        for transport in idle:
-            transport.close()
 
 
 class KvStoreClient:
@@ -276,7 +116,7 @@ class KvStoreClient:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.replication = replication
         self._shards = [
-            _Shard(
+            Shard(
                 a,
                 token,
                 timeout,
@@ -288,7 +128,7 @@ class KvStoreClient:
         ]
         # Same servers, own pools (see LOOKUP_CONNECTIONS_PER_SHARD); connected on first use.
         self._lookup_shards = [
-            _Shard(
+            Shard(
                 a,
                 token,
                 timeout,
@@ -333,15 +173,15 @@ class KvStoreClient:
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored on any of its live replicas (no hit counted)."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
 
-        def fetch(shard: _Shard, idx: list[int]) -> list[bool]:
+        def fetch(shard: Shard, idx: list[int]) -> list[bool]:
             out: list[bool] = []
-            for chunk in _chunks(idx, [0] * len(keys), shard.max_payload):
+            for chunk in chunks(idx, [0] * len(keys), shard.max_payload):
                 reply = shard.call(
                     Op.EXISTS,
                     {"keys": [keys[i] for i in chunk]},
-                    check=_length_check("present", len(chunk), Op.EXISTS),
+                    check=length_check("present", len(chunk), Op.EXISTS),
                 )
                 out += reply["present"]
             return out
@@ -384,7 +224,7 @@ class KvStoreClient:
         replica counts as missing. Never raises for a down shard. Blocks up to about
         ``wait_s`` (plus the timeout, for a server that hangs); ``wait_s`` = 0: one round trip.
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if not isinstance(owner, str) or not 0 < len(owner) <= MAX_OWNER_CHARS:
             raise ValueError(f"owner must be a str of 1 to {MAX_OWNER_CHARS} characters")
         if not 0 <= wait_s <= MAX_WAIT_MS / 1000:
@@ -394,10 +234,10 @@ class KvStoreClient:
         lease_ms = min(MAX_LEASE_MS, max(1, round(lease_s * 1000)))
         deadline = time.monotonic() + wait_s
 
-        def ask(shard: _Shard, idx: list[int]) -> list[bool]:
+        def ask(shard: Shard, idx: list[int]) -> list[bool]:
             out: list[bool] = []
             missed = False
-            for chunk in _chunks(idx, [0] * len(keys), shard.max_payload):
+            for chunk in chunks(idx, [0] * len(keys), shard.max_payload):
                 # One deadline for the whole call; no waiting past a miss (useless past it).
                 left = 0.0 if missed else max(0.0, deadline - time.monotonic())
                 control = {
@@ -410,7 +250,7 @@ class KvStoreClient:
                 reply = shard.call(
                     Op.LOOKUP,
                     control,
-                    check=_lookup_check(len(chunk)),
+                    check=lookup_check(len(chunk)),
                     timeout=shard.timeout + left,
                 )
                 out += reply["present"]
@@ -450,7 +290,7 @@ class KvStoreClient:
     def release(self, keys: Sequence[bytes], owner: str) -> list[bool]:
         """End ``owner``'s claims on ``keys`` (a computation given up), so that waiters stop
         waiting and compute them. True where a claim was ended; a down shard's keys: False."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         groups: dict[int, list[int]] = defaultdict(list)
         for i, key in enumerate(keys):
             for s in self._ring.replica_indices(key, self.replication):
@@ -458,13 +298,13 @@ class KvStoreClient:
                     groups[s].append(i)
                     break
 
-        def ask(shard: _Shard, idx: list[int]) -> list[bool]:
+        def ask(shard: Shard, idx: list[int]) -> list[bool]:
             out: list[bool] = []
-            for chunk in _chunks(idx, [0] * len(keys), shard.max_payload):
+            for chunk in chunks(idx, [0] * len(keys), shard.max_payload):
                 reply = shard.call(
                     Op.RELEASE,
                     {"keys": [keys[i] for i in chunk], "owner": owner},
-                    check=_length_check("released", len(chunk), Op.RELEASE),
+                    check=length_check("released", len(chunk), Op.RELEASE),
                 )
                 out += reply["released"]
             return out
@@ -490,19 +330,19 @@ class KvStoreClient:
         miss. A miss leaves its buffer untouched, except that over ``tcp://`` a shard failing
         in the middle of a reply may leave part of a page in a buffer reported False.
         """
-        keys = _check_keys(keys)
-        pages = _pages(buffers, len(keys), writable=True)
+        keys = check_keys(keys)
+        pages = page_views(buffers, len(keys), writable=True)
         if byte_range is not None:
-            offset, length = _check_range(byte_range)
+            offset, length = check_range(byte_range)
         lengths = [sum(v.nbytes for v in page) for page in pages]
         if byte_range is not None:
             for i, size in enumerate(lengths):
                 if size != length:
                     raise ValueError(f"buffer {i} has {size} bytes, byte_range {length}")
 
-        def fetch(shard: _Shard, idx: list[int]) -> list[bool]:
+        def fetch(shard: Shard, idx: list[int]) -> list[bool]:
             out: list[bool] = []
-            for chunk in _chunks(idx, lengths, shard.max_payload):
+            for chunk in chunks(idx, lengths, shard.max_payload):
                 control = {
                     "keys": [keys[i] for i in chunk],
                     "lengths": [lengths[i] for i in chunk],
@@ -510,7 +350,7 @@ class KvStoreClient:
                 }
 
                 def sink(reply: dict[str, Any], chunk: list[int] = chunk) -> list[memoryview]:
-                    _length_check("sizes", len(chunk), Op.GET)(reply)
+                    length_check("sizes", len(chunk), Op.GET)(reply)
                     sizes = reply["sizes"]
                     targets = []
                     for i, size in zip(chunk, sizes, strict=True):
@@ -552,8 +392,8 @@ class KvStoreClient:
 
         A buffer may be a list or tuple of segments: the page is their concatenation (gather).
         """
-        keys = _check_keys(keys)
-        pages = _pages(buffers, len(keys), writable=False)
+        keys = check_keys(keys)
+        pages = page_views(buffers, len(keys), writable=False)
         sizes = [sum(v.nbytes for v in page) for page in pages]
         groups: dict[int, list[int]] = defaultdict(list)
         for i, key in enumerate(keys):
@@ -561,15 +401,15 @@ class KvStoreClient:
                 if self._shards[s].available():
                     groups[s].append(i)
 
-        def store(shard: _Shard, idx: list[int]) -> list[bool]:
+        def store(shard: Shard, idx: list[int]) -> list[bool]:
             out: list[bool] = []
-            for chunk in _chunks(idx, sizes, shard.max_payload):
+            for chunk in chunks(idx, sizes, shard.max_payload):
                 control = {"keys": [keys[i] for i in chunk], "sizes": [sizes[i] for i in chunk]}
                 reply = shard.call(
                     Op.PUT,
                     control,
                     [view for i in chunk for view in pages[i]],
-                    check=_length_check("stored", len(chunk), Op.PUT),
+                    check=length_check("stored", len(chunk), Op.PUT),
                 )
                 out += reply["stored"]
             return out
@@ -586,7 +426,7 @@ class KvStoreClient:
         """Per shard URL: ``{"up": True, <StoreStats fields>..., "server": {...}}`` as the
         server reports them, or ``{"up": False, "error": reason}`` for a shard that is down."""
 
-        def one(shard: _Shard, _: None) -> dict[str, Any]:
+        def one(shard: Shard, _: None) -> dict[str, Any]:
             reply = shard.call(Op.STATS, {})
             return {"up": True, **reply["store"], "server": reply["server"]}
 
@@ -612,11 +452,11 @@ class KvStoreClient:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _probe(self, shard: _Shard, _: None) -> None:
+    def _probe(self, shard: Shard, _: None) -> None:
         shard.call(Op.STATS, {})
 
     def _read(
-        self, keys: list[bytes], fetch: Callable[[_Shard, list[int]], list[bool]]
+        self, keys: list[bytes], fetch: Callable[[Shard, list[int]], list[bool]]
     ) -> list[bool]:
         """Ask each key's replicas in order, skipping down shards, until a hit or none left.
 
@@ -649,148 +489,10 @@ class KvStoreClient:
     def _fan_out(
         self,
         groups: dict[int, Any],
-        fn: Callable[[_Shard, Any], T],
-        shards: list[_Shard] | None = None,
+        fn: Callable[[Shard, Any], T],
+        shards: list[Shard] | None = None,
         pool: ThreadPoolExecutor | None = None,
     ) -> dict[int, T | None]:
-        """``fn(shard, group)`` per shard, in parallel; None for a shard that was unavailable.
-
-        ``shards`` and ``pool``: the lookup ones for lookups, else the regular ones. Other
-        exceptions are raised once every shard has finished (no call is left running on a
-        caller's buffers after this returns).
-        """
+        """:func:`fan_out` over the regular shards and pool unless given others (lookups)."""
         shards = self._shards if shards is None else shards
-        pool = self._pool if pool is None else pool
-
-        def guarded(s: int) -> T | None:
-            try:
-                return fn(shards[s], groups[s])
-            except _Unavailable:
-                return None
-
-        if pool is None or len(groups) <= 1:
-            return {s: guarded(s) for s in groups}
-        first, *rest = groups
-        futures = {s: pool.submit(guarded, s) for s in rest}
-        results: dict[int, T | None] = {}
-        error: BaseException | None = None
-        try:  # the calling thread serves one shard itself rather than wait idle
-            results[first] = guarded(first)
-        except BaseException as exc:
-            error = exc
-        for s, future in futures.items():
-            try:
-                results[s] = future.result()
-            except BaseException as exc:  # re-raised below, after all have finished
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
-
-
-# -- argument checks --------------------------------------------------------------------------
-
-
-def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    out = []
-    for i, key in enumerate(keys):
-        if not isinstance(key, (bytes, bytearray, memoryview)) or len(key) != KEY_BYTES:
-            what = f"{len(key)} bytes" if isinstance(key, (bytes, bytearray)) else repr(key)[:40]
-            raise ValueError(f"key {i} must be {KEY_BYTES} bytes, got {what}")
-        out.append(bytes(key))
-    return out
-
-
-def _check_range(byte_range: tuple[int, int]) -> tuple[int, int]:
-    offset, length = byte_range
-    if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length <= 0:
-        raise ValueError(f"byte_range must be (offset >= 0, length > 0), got {byte_range!r}")
-    return offset, length
-
-
-def _pages(buffers: Sequence[Any], n: int, *, writable: bool) -> list[list[memoryview]]:
-    """Each page's memory as byte views: one buffer, or a list/tuple of segments whose
-    concatenation is the page (a page scattered over a layer-first host pool)."""
-    if len(buffers) != n:
-        raise ValueError(f"{len(buffers)} buffers for {n} keys")
-    return [
-        [byte_view(seg, writable=writable) for seg in buf]
-        if isinstance(buf, (list, tuple))
-        else [byte_view(buf, writable=writable)]
-        for buf in buffers
-    ]
-
-
-def byte_view(buf: Any, *, writable: bool) -> memoryview:
-    """A flat byte view of ``buf``'s memory (no copy). CPU torch tensors are viewed through
-    numpy; anything else must support the buffer protocol and be C-contiguous."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(buf, torch.Tensor):
-        if buf.device.type != "cpu":
-            raise ValueError(f"tensor buffers must be on the CPU, got {buf.device}")
-        if not buf.is_contiguous():
-            raise ValueError("tensor buffers must be contiguous")
-        # .numpy() refuses dtypes numpy lacks (bfloat16); a uint8 view of the memory does not.
-        buf = buf.detach().reshape(-1).view(torch.uint8).numpy()
-    try:
-        view = memoryview(buf)
-    except TypeError:
-        raise TypeError(f"{type(buf).__name__} does not support the buffer protocol") from None
-    if writable and view.readonly:
-        raise ValueError(f"buffer of type {type(buf).__name__} is read-only")
-    if not view.c_contiguous:
-        raise ValueError(f"buffer of type {type(buf).__name__} is not C-contiguous")
-    if view.format != "B" or view.ndim != 1:
-        try:
-            view = view.cast("B")
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"cannot view {type(buf).__name__} as bytes: {exc}") from None
-    return view
-
-
-def _chunks(idx: list[int], sizes: Sequence[int], max_bytes: int) -> Iterator[list[int]]:
-    """Split ``idx`` into frames of at most MAX_KEYS_PER_FRAME keys and ``max_bytes`` bytes."""
-    chunk: list[int] = []
-    total = 0
-    for i in idx:
-        if sizes[i] > max_bytes:
-            raise ValueError(f"page of {sizes[i]} bytes over the server's {max_bytes}-byte limit")
-        if chunk and (len(chunk) == MAX_KEYS_PER_FRAME or total + sizes[i] > max_bytes):
-            yield chunk
-            chunk, total = [], 0
-        chunk.append(i)
-        total += sizes[i]
-    if chunk:
-        yield chunk
-
-
-def _lookup_check(n: int) -> Callable[[dict[str, Any]], None]:
-    """A LOOKUP reply check: one ``present`` and one ``claimed`` per key sent."""
-    present = _length_check("present", n, Op.LOOKUP)
-    claimed = _length_check("claimed", n, Op.LOOKUP)
-
-    def check(reply: dict[str, Any]) -> None:
-        present(reply)
-        claimed(reply)
-
-    return check
-
-
-def _set_timeout(transport: Transport, seconds: float) -> None:
-    """Set the per-operation timeout of a connected transport. Transports take it once, at
-    construction, so this sets what each reads: ``timeout`` (ucx:// reads it per wait) and,
-    over tcp:// and shm://, the socket's own timeout (set at connect)."""
-    transport.timeout = seconds  # type: ignore[attr-defined]
-    sock = getattr(transport, "_sock", None)
-    if sock is not None:
-        sock.settimeout(seconds)
-
-
-def _length_check(field: str, n: int, op: Op) -> Callable[[dict[str, Any]], None]:
-    """A reply check: ``field`` has one entry per key sent."""
-
-    def check(reply: dict[str, Any]) -> None:
-        if len(reply[field]) != n:
-            raise ProtocolError(f"{op.name} reply has {len(reply[field])} {field} for {n} keys")
-
-    return check
+        return fan_out(groups, fn, shards, self._pool if pool is None else pool)

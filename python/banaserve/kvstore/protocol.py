@@ -13,7 +13,8 @@ payload length it implies) before the payload is read. So a peer learns how many
 expect, and where they go, from a control map that is already known to be well formed.
 
 Everything here is pure (bytes in, values or :class:`ProtocolError` out), so it can be fuzzed;
-the server, the transports and :class:`FrameDecoder` all validate through the same functions.
+the server, the transports and :class:`~banaserve.kvstore.framing.FrameDecoder` all validate
+through the same functions.
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ class Op(enum.IntEnum):
     """Operations, with their control maps (request -> reply). Keys are 32-byte bins.
 
     HELLO       {version, token: str|nil, shm?: {name, size}} -> {version, server, max_payload,
-                shm: bool}. The first frame of every connection; a wrong token is an AUTH error.
+                shm: bool, tenant: str|nil}. The first frame of every connection; a wrong token
+                is an AUTH error. ``max_payload``: the most payload one frame of this client
+                may carry (it splits bigger batches). ``tenant``: the tenant a per-tenant token
+                grants; the server then maps every key of this connection into that tenant's
+                keyspace (see :mod:`banaserve.kvstore.auth`).
     SHM_ATTACH  {name, size} -> {size}: replace this connection's shared-memory segment.
     EXISTS      {keys} -> {present: [bool]}.
     GET         {keys, lengths: [int], range: [offset, length]|nil, shm?: bool} ->
@@ -102,6 +107,7 @@ class ErrorCode(str, enum.Enum):
     PROTOCOL = "protocol"  # malformed frame: a client bug or a stranger on the port
     AUTH = "auth"  # wrong or missing token
     TOO_LARGE = "too_large"  # a length over the server's limits
+    BUSY = "busy"  # the server is at a connection or memory bound; retry later
     SHM = "shm"  # the shared-memory segment cannot be used (not the same host?)
     INTERNAL = "internal"  # the store failed; the request may succeed later
 
@@ -128,17 +134,6 @@ class Header:
     request_id: int
     control_len: int
     payload_len: int
-    is_reply: bool
-
-
-@dataclass
-class Frame:
-    """A decoded frame. ``op`` is the request op (the reply bit stripped) or ERROR."""
-
-    op: Op
-    request_id: int
-    control: dict[str, Any]
-    payload: bytes
     is_reply: bool
 
 
@@ -448,76 +443,3 @@ def validate_reply(
         _no_payload(op, header.payload_len)
         _bool_list(control, "released", op)
     return control
-
-
-class FrameDecoder:
-    """Incremental decoder over a byte stream: feed bytes, take whole validated frames.
-
-    Pure (no I/O), so it can be driven by a fuzzer. ``replies`` chooses which side it decodes.
-    Memory stays bounded: a header is bound-checked before its control map is buffered, and a
-    control map is validated before its payload is buffered. After a ProtocolError the stream
-    cannot be resynchronized; the decoder refuses further input.
-    """
-
-    def __init__(self, *, replies: bool = False, limits: Limits = Limits()) -> None:
-        self.replies = replies
-        self.limits = limits
-        self._buf = bytearray()
-        self._header: Header | None = None
-        self._control: dict[str, Any] | None = None
-        self._failed = False
-
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
-        if self._failed:
-            raise ProtocolError("decoder already failed; the connection must be closed")
-        self._buf += data
-        frames: list[Frame] = []
-        try:
-            while (frame := self._next()) is not None:
-                frames.append(frame)
-        except ProtocolError:
-            self._failed = True
-            raise
-        return frames
-
-    @property
-    def pending(self) -> int:
-        """Bytes buffered that do not yet make a whole frame."""
-        return len(self._buf)
-
-    @property
-    def idle(self) -> bool:
-        """True between frames: nothing of a next frame has arrived yet."""
-        return not self._buf and self._header is None
-
-    def _next(self) -> Frame | None:
-        if self._header is None:
-            if len(self._buf) < HEADER_BYTES:
-                return None
-            self._header = decode_header(bytes(self._buf[:HEADER_BYTES]), self.limits)
-            del self._buf[:HEADER_BYTES]
-        header = self._header
-        if self._control is None:
-            if len(self._buf) < header.control_len:
-                return None
-            control = unpack_control(bytes(self._buf[: header.control_len]))
-            validate = validate_reply if self.replies else validate_request
-            self._control = validate(header, control, self.limits)
-            del self._buf[: header.control_len]
-        if len(self._buf) < header.payload_len:
-            return None
-        payload = bytes(self._buf[: header.payload_len])
-        del self._buf[: header.payload_len]
-        frame = Frame(header.op, header.request_id, self._control, payload, header.is_reply)
-        self._header = None
-        self._control = None
-        return frame
-
-
-def decode_frames(data: bytes, *, replies: bool = False, limits: Limits = Limits()) -> list[Frame]:
-    """Every whole frame in ``data``; trailing bytes that do not make a frame are an error."""
-    decoder = FrameDecoder(replies=replies, limits=limits)
-    frames = decoder.feed(data)
-    if not decoder.idle:
-        raise ProtocolError(f"truncated frame: {decoder.pending} bytes left over")
-    return frames

@@ -3,8 +3,8 @@
 Start it beside a :class:`~banaserve.kvstore.server.KvStoreServer` with
 :func:`start_ucx_listener` (by convention on the TCP port + 1) and stop it with
 :meth:`UcxListenerHandle.close`. Standalone (tests, benchmarks):
-``python -m banaserve.kvstore.ucx_server --port P --capacity-gb N`` (token from
-``$BANASERVE_KV_STORE_TOKEN``).
+``python -m banaserve.kvstore.ucx_server --port P --capacity-gb N`` (see
+:func:`banaserve.kvstore.server_cli.ucx_main`).
 
 Threads: one daemon thread owns the UCX worker, the listener and every connection, and also
 calls the store (thread-safe already: the TCP server calls it from a thread pool). It never
@@ -12,11 +12,17 @@ touches an asyncio loop, so the TCP server's loop is not blocked; a slow store c
 delays only the other ucx:// connections. The thread sleeps in epoll on the worker's event fd
 when idle and wakes at least every 100 ms to notice :meth:`UcxListenerHandle.close`.
 
-Validation is the TCP server's: every header goes through ``decode_header`` against the
-configured :class:`Limits`, HELLO (with the token, compared in constant time) must come first,
-each control map goes through ``validate_request`` before any payload buffer is allocated, a
-PUT's whole payload arrives before the first page is stored. Anything wrong gets an ERROR reply
-and the connection is closed. Wire mapping and tags: see :mod:`banaserve.kvstore.transport.ucx`.
+Validation, admission and access are the TCP server's (see :mod:`.server_conn`,
+:mod:`.admission`, :mod:`.auth`): headers checked against :class:`Limits`, HELLO first (its
+token checked by the same kind of :class:`~banaserve.kvstore.auth.Authenticator`), a
+stranger's frames held to the pre-authentication bounds, an authenticated request's buffers
+(and a GET reply's pages until sent) charged to the process's one in-flight budget before they
+exist (a request that does not fit waits with no receive posted, then is refused BUSY), each
+control map validated before a payload buffer exists and its keys mapped into the connection's
+tenant keyspace, a PUT's whole payload received before its first page is stored. Anything wrong
+gets an ERROR reply and the connection is closed. Connections have a cap of their own (the same
+number as the TCP server's): a client that crashed is never noticed here (below), and such
+leftovers must not lock tcp:// clients out. Wire mapping and tags: :mod:`.transport.ucx`.
 
 In-flight prefix coalescing is not offered here: LOOKUP is answered like EXISTS (no waiting,
 ``claimed`` all False, so a ucx:// client computes what is missing, as before) and RELEASE
@@ -25,27 +31,28 @@ the TCP server's. A PUT over ucx:// does end the TCP server's claims on its keys
 ``on_stored``), so tcp:// waiters are not kept waiting for pages stored over ucx://.
 
 Limits of UCX without endpoint error handling: the server does not learn that a client
-crashed (a client that closes says BYE); such a connection keeps an endpoint and a 28-byte
-receive until the server stops. UCX listens on every interface whatever ``host`` says (ucxx
-cannot bind one address): use a token on a shared network.
+crashed (a client that closes says BYE); such a connection keeps an endpoint, a 28-byte receive
+and its place under the cap until the server stops. UCX listens on every interface whatever
+``host`` says (ucxx's listener takes a port, no address), so the command line allows ucx://
+only with a wildcard ``--host`` (:mod:`.server_cli`). Nor can the listener bound what UCX
+buffers itself: eager messages that match no posted receive wait in the worker's unexpected
+queue, whoever sent them; a token does not stop a peer that reaches the port from sending them.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import secrets
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from banaserve.kvstore import TOKEN_ENV
+from banaserve.kvstore.admission import Admission, Ticket, request_buffer
+from banaserve.kvstore.auth import Authenticator, check_hello, map_control_keys
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     MISSING,
@@ -60,8 +67,8 @@ from banaserve.kvstore.protocol import (
     unpack_control,
     validate_request,
 )
-from banaserve.kvstore.server import check_hello, read_pages
 from banaserve.kvstore.storage.base import PageStore
+from banaserve.kvstore.store_calls import contains_all, put_pages, read_pages, split_pages
 from banaserve.kvstore.transport.base import Address
 from banaserve.kvstore.transport.ucx import (
     CONN_ID_BITS,
@@ -75,6 +82,7 @@ from banaserve.kvstore.transport.ucx import (
     payload_segments,
     tag,
 )
+from banaserve.kvstore.ucx_conn import UcxConn, settle
 
 if TYPE_CHECKING:
     from banaserve.kvstore.server import ServerConfig
@@ -83,43 +91,6 @@ logger = logging.getLogger("banaserve.kvstore.ucx_server")
 
 #: Seconds an ERROR reply gets to leave before its connection is closed anyway.
 REFUSE_GRACE_S = 1.0
-
-
-@dataclass
-class _Config:
-    """The fields of ``ServerConfig`` this server reads (duck-typed: any object with them)."""
-
-    token: str | None = None
-    limits: Limits = field(default_factory=Limits)
-    hello_timeout: float = 10.0
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-class _Conn:
-    """One client endpoint and where its current frame stands. Touched only by the server
-    thread. Buffers given to UCX stay referenced here (``pending``) until their request is
-    complete."""
-
-    def __init__(self, conn_id: int, ep: Any, hello_deadline: float) -> None:
-        self.id = conn_id
-        self.ep = ep
-        self.authenticated = False
-        self.hello_deadline = hello_deadline
-        self.header_buf = bytearray(HEADER_BYTES)
-        self.header: Header | None = None
-        self.control: dict[str, Any] | None = None
-        self.body: bytearray | None = None
-        self.payload: bytearray | None = None
-        self.recv: list[Any] = []  # receives of the current phase
-        self.sends: list[tuple[Any, Any]] = []  # (request, buffer kept alive)
-        self.bye: Any = None
-        self.bye_buf = bytearray(1)
-        self.closing_deadline: float | None = None  # set once refused: close when sent
-
-    def settled(self) -> bool:
-        """Whether UCX is done with every buffer of this connection (after its close)."""
-        requests = [*self.recv, *(r for r, _ in self.sends), self.bye]
-        return all(r is None or r.completed for r in requests)
 
 
 class UcxListenerHandle:
@@ -132,9 +103,13 @@ class UcxListenerHandle:
         host: str,
         port: int,
         on_stored: Callable[[list[bytes]], None] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.store = store
         self.config = config
+        self.auth = Authenticator.from_config(config)
+        make = getattr(config, "admission", None)
+        self.admission = admission or (make() if callable(make) else Admission())
         self._on_stored = on_stored
         self.host = host
         self._requested_port = port
@@ -144,10 +119,10 @@ class UcxListenerHandle:
         self._error: BaseException | None = None
         self._started = time.monotonic()
         self._counters = {"requests": 0, "bytes_in": 0, "bytes_out": 0, "refused": 0}
-        self._conns: dict[int, _Conn] = {}
+        self._conns: dict[int, UcxConn] = {}
         # Closed connections whose requests UCX has not finished cancelling: their buffers
         # must outlive the requests (a UCXRequest does not hold its buffer).
-        self._dead: list[_Conn] = []
+        self._dead: list[UcxConn] = []
         self._thread = threading.Thread(target=self._run, name="kvstore-ucx", daemon=True)
 
     @property
@@ -212,7 +187,7 @@ class UcxListenerHandle:
                 for conn in list(self._conns.values()):
                     busy |= self._step(conn, now)
                 if self._dead:
-                    self._dead = [c for c in self._dead if not c.settled()]
+                    self._dead = [c for c in self._dead if not settle(c)]
                 idle = 0 if busy else idle + 1
         except Exception:
             logger.exception("ucx listener failed")
@@ -221,6 +196,8 @@ class UcxListenerHandle:
                 self._drop(conn)
             with contextlib.suppress(Exception):
                 worker.cancel_inflight_requests(period=10_000_000, max_attempts=10)
+            for conn in self._dead:
+                conn.release_budget()
             self._dead.clear()
             del listener, knock
 
@@ -236,19 +213,30 @@ class UcxListenerHandle:
         conn_id = 0
         while conn_id == 0 or conn_id in self._conns:
             conn_id = secrets.randbits(CONN_ID_BITS)
-        conn = _Conn(conn_id, ep, time.monotonic() + self.config.hello_timeout)
+        admitted = self.admission.gate.try_enter()
+        conn = UcxConn(conn_id, ep, time.monotonic() + self.config.hello_timeout, admitted)
         self._conns[conn_id] = conn
         id_buf = conn_id.to_bytes(8, "little")
         handshake = ep.tag_send(as_array(id_buf), libucxx.UCXXTag(tag(0, Kind.HANDSHAKE)))
         conn.sends.append((handshake, id_buf))
         conn.bye = ep.tag_recv(as_array(conn.bye_buf), libucxx.UCXXTag(tag(conn_id, Kind.BYE)))
+        if not admitted:  # over the cap: the client reads this ERROR as the reply to its HELLO
+            limit = self.admission.gate.limit
+            message = f"too many connections: this store serves at most {limit} at once"
+            self._refuse(conn, ErrorCode.BUSY, message + "; retry later")
+            return
         self._post_header(conn)
 
-    def _post_header(self, conn: _Conn) -> None:
+    def _post_header(self, conn: UcxConn) -> None:
         # Zeroed so that a short (malformed) header message cannot replay the previous one.
         conn.header_buf[:] = bytes(HEADER_BYTES)
         conn.header = conn.control = None
         conn.body = conn.payload = None
+        if conn.ticket is not None and conn.ticket.held:
+            conn.sent_tickets.append(conn.ticket)  # its reply may still be leaving
+            conn.reply_deadline = time.monotonic() + self.admission.frame_timeout
+        conn.ticket = Ticket(self.admission.budget)
+        conn.frame_deadline = None
         conn.recv = [
             conn.ep.tag_recv(
                 as_array(conn.header_buf),
@@ -256,7 +244,7 @@ class UcxListenerHandle:
             )
         ]
 
-    def _step(self, conn: _Conn, now: float) -> bool:
+    def _step(self, conn: UcxConn, now: float) -> bool:
         """Advance ``conn`` as far as its completed requests allow; True if anything moved."""
         busy = False
         try:
@@ -266,6 +254,10 @@ class UcxListenerHandle:
             if any(r.completed for r, _ in conn.sends):
                 conn.sends = [(r, b) for r, b in conn.sends if not r.completed]
                 busy = True
+            if not conn.sends and conn.sent_tickets:  # every reply left: its pages are free
+                for ticket in conn.sent_tickets:
+                    ticket.release()
+                conn.sent_tickets.clear()
             if conn.closing_deadline is not None:
                 if not conn.sends or now > conn.closing_deadline:
                     self._drop(conn)
@@ -275,6 +267,13 @@ class UcxListenerHandle:
                 return True
             if not conn.authenticated and now > conn.hello_deadline:
                 raise ProtocolError("no HELLO in time")
+            timeout = self.admission.frame_timeout
+            if conn.frame_deadline is not None and now > conn.frame_deadline:
+                raise ProtocolError(f"frame not received within {timeout:g} s of its header")
+            if conn.sent_tickets and conn.reply_deadline is not None and now > conn.reply_deadline:
+                raise ConnectionError(f"reply not taken within {timeout:g} s")
+            if conn.wanted is not None:
+                busy |= conn.retry_budget(self.admission, now)
             while conn.recv and all(r.completed for r in conn.recv):
                 for r in conn.recv:
                     check_request(r, f"ucx receive from {conn.id:x}")
@@ -292,28 +291,35 @@ class UcxListenerHandle:
             self._refuse(conn, ErrorCode.INTERNAL, f"store failure: {type(exc).__name__}: {exc}")
         return busy
 
-    def _advance(self, conn: _Conn) -> None:
+    def _advance(self, conn: UcxConn) -> None:
         """The current phase's receives are all complete: take the next step of the frame."""
         limits: Limits = self.config.limits
         tags = self._libucxx.UCXXTag
+        conn.recv = []
         if conn.header is None:
             header = decode_header(conn.header_buf, limits)
             if not conn.authenticated and header.op is not Op.HELLO:
                 raise ProtocolError(f"the first frame must be HELLO, got {header.op.name}")
             conn.header = header
-            conn.body = bytearray(header.control_len)
-            conn.recv = [
-                conn.ep.tag_recv(as_array(conn.body), tags(tag(conn.id, Kind.REQUEST_CONTROL)))
-            ]
+            conn.frame_deadline = time.monotonic() + self.admission.frame_timeout
+            # Before any buffer of this frame exists: the bytes it may make us hold.
+            need = self.admission.admit_header(header, conn.authenticated)
+            conn.want(self.admission, need, header.op.name, lambda: self._post_control(conn))
             return
         header = conn.header
         if conn.control is None:
             assert conn.body is not None
-            conn.control = validate_request(header, unpack_control(conn.body), limits)
-            segments = payload_segments(header.op, conn.control, reply=False)
-            if segments and not conn.control.get("shm"):
+            control = validate_request(header, unpack_control(conn.body), limits)
+            conn.control, conn.body = map_control_keys(control, conn.grant), None
+            if header.op is Op.GET:
+                # The reply pins this many stored bytes until sent: charged before the lookup.
+                need = sum(control["lengths"])
+                conn.want(self.admission, need, "GET reply", lambda: self._finish(conn))
+                return
+            segments = payload_segments(header.op, control, reply=False)
+            if segments and not control.get("shm"):
                 # Allocated only now: the control map has been checked to declare exactly this.
-                conn.payload = bytearray(header.payload_len)
+                conn.payload = request_buffer(header.payload_len)
                 view, offset, recvs = memoryview(conn.payload), 0, []
                 for size in segments:
                     piece = view[offset : offset + size]
@@ -323,13 +329,25 @@ class UcxListenerHandle:
                     offset += size
                 conn.recv = recvs
                 return
+        self._finish(conn)
+
+    def _post_control(self, conn: UcxConn) -> None:
+        assert conn.header is not None
+        conn.body = request_buffer(conn.header.control_len)
+        kind = self._libucxx.UCXXTag(tag(conn.id, Kind.REQUEST_CONTROL))
+        conn.recv = [conn.ep.tag_recv(as_array(conn.body), kind)]
+
+    def _finish(self, conn: UcxConn) -> None:
+        """The current frame is complete (and its budget held): serve it, await the next."""
+        header, control = conn.header, conn.control
+        assert header is not None and control is not None
         self._counters["requests"] += 1
         self._counters["bytes_in"] += HEADER_BYTES + header.control_len + header.payload_len
-        self._dispatch(conn, header, conn.control, conn.payload)
+        self._dispatch(conn, header, control, conn.payload)
         self._post_header(conn)
 
     def _dispatch(
-        self, conn: _Conn, header: Header, control: dict[str, Any], payload: bytearray | None
+        self, conn: UcxConn, header: Header, control: dict[str, Any], payload: bytearray | None
     ) -> None:
         op = header.op
         if control.get("shm"):
@@ -338,7 +356,7 @@ class UcxListenerHandle:
         if op is Op.HELLO:
             reply = self._hello(conn, control)
         elif op is Op.EXISTS:
-            reply = {"present": [self.store.contains(key) for key in control["keys"]]}
+            reply = {"present": contains_all(self.store, control["keys"])}
         elif op is Op.GET:
             found = read_pages(
                 self.store, control["keys"], control["lengths"], control.get("range")
@@ -347,7 +365,10 @@ class UcxListenerHandle:
             views = [v for v in found if v is not None and v.nbytes]
         elif op is Op.PUT:
             try:
-                stored = _put_all(self.store, control["keys"], control["sizes"], payload)
+                source = memoryview(payload if payload is not None else b"")
+                values = split_pages(source, control["sizes"])
+                del source
+                stored = put_pages(self.store, control["keys"], values)
             finally:
                 if self._on_stored is not None:  # thread-safe, returns at once
                     self._on_stored(list(control["keys"]))
@@ -355,7 +376,7 @@ class UcxListenerHandle:
         elif op is Op.STATS:
             reply = {"store": asdict(self.store.stats()), "server": self._info()}
         elif op is Op.LOOKUP:  # no claims over ucx:// (module docstring): a plain EXISTS
-            present = [self.store.contains(key) for key in control["keys"]]
+            present = contains_all(self.store, control["keys"])
             reply = {"present": present, "claimed": [False] * len(present)}
         elif op is Op.RELEASE:
             reply = {"released": [False] * len(control["keys"])}
@@ -365,7 +386,7 @@ class UcxListenerHandle:
 
     def _send_frame(
         self,
-        conn: _Conn,
+        conn: UcxConn,
         op: Op,
         request_id: int,
         control: dict[str, Any],
@@ -389,19 +410,20 @@ class UcxListenerHandle:
             conn.sends.append((request, data))
             self._counters["bytes_out"] += data.nbytes
 
-    def _hello(self, conn: _Conn, control: dict[str, Any]) -> dict[str, Any]:
-        check_hello(control, conn.authenticated, self.config.token)
+    def _hello(self, conn: UcxConn, control: dict[str, Any]) -> dict[str, Any]:
+        conn.grant = check_hello(control, conn.authenticated, self.auth)
         if control.get("shm") is not None:
             raise ProtocolError("HELLO: shared memory is not offered over ucx://", ErrorCode.SHM)
         conn.authenticated = True
         return {
             "version": PROTOCOL_VERSION,
             "server": "banaserve-kv-store",
-            "max_payload": self.config.limits.max_payload,
+            "max_payload": self.admission.max_payload(self.config.limits),
             "shm": False,
+            "tenant": conn.grant.tenant,
         }
 
-    def _refuse(self, conn: _Conn, code: ErrorCode, message: str) -> None:
+    def _refuse(self, conn: UcxConn, code: ErrorCode, message: str) -> None:
         """Send an ERROR, then close once it has left (or after :data:`REFUSE_GRACE_S`)."""
         request_id = conn.header.request_id if conn.header is not None else 0
         try:
@@ -413,12 +435,18 @@ class UcxListenerHandle:
             return
         conn.closing_deadline = time.monotonic() + REFUSE_GRACE_S
 
-    def _drop(self, conn: _Conn) -> None:
+    def _drop(self, conn: UcxConn) -> None:
         if self._conns.pop(conn.id, None) is None:
             return
+        if conn.admitted:
+            self.admission.gate.leave()
+        conn.wanted = None
         with contextlib.suppress(Exception):
-            conn.ep.close()  # cancels the receives it still has posted
-        self._dead.append(conn)
+            # Not close(): that leaves the receives posted on the endpoint in place, so a
+            # dropped connection kept its buffers (and their budget) for good. close_blocking
+            # cancels them first; it returns at once for a peer that is gone (measured).
+            conn.ep.close_blocking()
+        self._dead.append(conn)  # its budget goes back once UCX is done with its buffers
 
     def _info(self) -> dict[str, Any]:
         return {
@@ -428,8 +456,9 @@ class UcxListenerHandle:
             "transport": "ucx",
             "uptime_s": round(time.monotonic() - self._started, 3),
             "connections": len(self._conns),
-            "max_payload": self.config.limits.max_payload,
+            "max_payload": self.admission.max_payload(self.config.limits),
             **self._counters,
+            **self.admission.stats(),
             **self.config.info,
         }
 
@@ -440,19 +469,23 @@ def start_ucx_listener(
     host: str,
     port: int,
     on_stored: Callable[[list[bytes]], None] | None = None,
+    admission: Admission | None = None,
 ) -> UcxListenerHandle:
     """Serve ``store`` (the caller owns and closes it, after closing the handle) over ucx://.
 
-    ``config``: the TCP server's ``ServerConfig`` (reads ``token``, ``limits``,
-    ``hello_timeout``, ``info``). ``port`` 0 picks a free one (``handle.port``); the convention
-    is the TCP port + 1. ``host`` only names the URL: UCX listens on every interface.
+    ``config``: the TCP server's ``ServerConfig`` (reads ``token``, ``tenant_tokens``,
+    ``limits``, ``hello_timeout``, ``info``, and its bounds unless ``admission`` is given:
+    give the TCP server's budget, with a gate of this listener's own, so that both charge one
+    in-flight budget; see :func:`banaserve.kvstore.server_cli.serve`).
+    ``port`` 0 picks a free one (``handle.port``); the convention is the TCP port + 1.
+    ``host`` only names the URL: UCX listens on every interface.
     ``on_stored(keys)``, called on the listener's thread after each PUT, must be thread-safe
     and quick (the TCP server's ``notify_stored`` ends the claims on those keys). Blocks
     until listening (ucxx start-up, well under a second after the first context); raises
     KvStoreError when ucxx is missing and OSError/UCX errors when the port cannot be had.
     """
     import_libucxx(f"ucx://{host}:{port}")
-    handle = UcxListenerHandle(store, config, host, port, on_stored)
+    handle = UcxListenerHandle(store, config, host, port, on_stored, admission)
     handle._thread.start()
     handle._ready.wait()
     if handle._error is not None:
@@ -460,49 +493,7 @@ def start_ucx_listener(
     return handle
 
 
-# -- store calls ------------------------------------------------------------------------------
-
-
-def _put_all(
-    store: PageStore, keys: list[bytes], sizes: list[int], payload: bytearray | None
-) -> list[bool]:
-    # Pages become immutable bytes (the store keeps them); the one copy a PUT pays.
-    source = memoryview(payload if payload is not None else b"")
-    stored, offset = [], 0
-    for key, size in zip(keys, sizes, strict=True):
-        stored.append(store.put(key, bytes(source[offset : offset + size])))
-        offset += size
-    return stored
-
-
-# -- standalone command line (tests, benchmarks) ----------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Serve a RAM store over ucx:// only until SIGTERM/SIGINT; prints the URL when ready."""
-    from banaserve.kvstore.storage.tiered import TieredStore
-
-    parser = argparse.ArgumentParser(prog="python -m banaserve.kvstore.ucx_server")
-    parser.add_argument("--port", type=int, required=True, help="UCX port; 0 picks a free one")
-    parser.add_argument("--host", default="127.0.0.1", help="host named in the URL")
-    parser.add_argument("--capacity-gb", type=float, required=True, help="RAM tier capacity")
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    token = os.environ.get(TOKEN_ENV) or None
-    store = TieredStore(int(args.capacity_gb * (1 << 30)))
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    handle = start_ucx_listener(store, _Config(token=token), args.host, args.port)
-    print(f"banaserve kv store listening on {handle.url} pid {os.getpid()}", flush=True)
-    try:
-        while not stop.wait(0.5):
-            pass
-    finally:
-        handle.close()
-        store.close()
-
-
 if __name__ == "__main__":
-    main()
+    from banaserve.kvstore.server_cli import ucx_main
+
+    ucx_main()
