@@ -52,17 +52,21 @@ class Cluster:
 
 
 @contextmanager
-def running_cluster(model: Path, log_dir: Path, *extra_args: str) -> Iterator[Cluster]:
-    """``launch_server`` with 2 prefill + 1 decode instances of ``model``, pinned, until exit."""
+def running_cluster(
+    model: Path, log_dir: Path, *extra_args: str, prefill: int = 2, decode: int = 1,
+    store_gb: float = 0.5, env: dict[str, str] | None = None,
+) -> Iterator[Cluster]:  # fmt: skip
+    """``launch_server`` with ``prefill`` + ``decode`` instances of ``model``, pinned, until
+    exit; ``env`` adds to the environment."""
     port = free_port()
     argv = [
         sys.executable, "-m", "banaserve.launch_server",
-        "--model-path", str(model), "--num-prefill", "2", "--num-decode", "1",
+        "--model-path", str(model), "--num-prefill", str(prefill), "--num-decode", str(decode),
         "--port", str(port), "--max-total-tokens", str(TEST_KV_TOKENS),
-        "--kv-store-capacity-gb", "0.5", "--cluster-log-dir", str(log_dir), "--cpu-affinity",
-        *extra_args,
+        "--kv-store-capacity-gb", str(store_gb), "--cluster-log-dir", str(log_dir),
+        "--cpu-affinity", *extra_args,
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     process = ManagedProcess("cluster", argv, log_dir / "gateway.log", env=env)
     try:
         process.wait_http_ok(f"http://127.0.0.1:{port}/health", SERVER_START_TIMEOUT * 2)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
 import pytest
@@ -139,11 +140,13 @@ async def upstream(handler: Handler) -> AsyncIterator[int]:
 
 
 @asynccontextmanager
-async def gateway_for(specs: list[InstanceSpec]) -> AsyncIterator[str]:
-    board = LoadBoard(specs)
+async def gateway_for(
+    specs: list[InstanceSpec], board: LoadBoard | None = None, **options: Any
+) -> AsyncIterator[str]:
+    board = board if board is not None else LoadBoard(specs)
     gateway = Gateway(
         board, make_policy("round_robin", PREFILL), make_policy("round_robin", DECODE),
-        placer=Placer(handoff_min_tokens=10),
+        placer=Placer(handoff_min_tokens=10), **options,
     )  # fmt: skip
     runner = web.AppRunner(gateway.app())
     await runner.setup()

@@ -3,8 +3,9 @@
 With one instance this is an SGLang server with BanaServe's CPU platform and defaults that
 fit the machine: on a host with no NVIDIA driver it adds ``--device cpu``, ``--sleep-on-idle``
 and a KV pool sized from free memory; everywhere it enables ``/metrics``, serves
-SmolLM2-135M-Instruct when no model is given, and answers 404 for an OpenAI request naming a
-model it does not serve (see ``banaserve.server.openai_request_guard``).
+SmolLM2-135M-Instruct when no model is given, and checks every generation request before
+SGLang sees it (``banaserve.server.request_guard``: 4xx for bodies out of bounds, token ids
+out of the vocabulary, a model it does not serve).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from banaserve.server.cli import (
     KvStoreOptions,
     LaunchConfig,
     build_parser,
+    request_limits_from_args,
     split_banaserve_args,
 )
 from banaserve.server.kv_pool_sizing import size_kv_pool
 from banaserve.server.memory_plan import host_pool_ratio
+from banaserve.server.request_limits import RequestLimits
 from banaserve.utils.processes import ManagedProcess
 
 # The .pth file normally installed the hook already; this covers running from a source tree,
@@ -48,6 +51,7 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
         if cluster is not None and ours.kv_store is None:
             ours.kv_store = "embedded"  # a cluster always has a store: its own by default
         kv_store = KvStoreOptions.from_args(ours)
+        request_limits = request_limits_from_args(ours)
     except ValueError as exc:
         parser.error(str(exc))
     if kv_store is not None:
@@ -93,7 +97,9 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
                 f" GiB of {size.available_bytes / 2**30:.1f} GiB available)"
             )
         notes.append("no NVIDIA driver: SGLang CPU engine")
-    return LaunchConfig(sglang_argv, [served_name, model_path], notes, kv_store, cluster)
+    return LaunchConfig(
+        sglang_argv, [served_name, model_path], notes, kv_store, cluster, request_limits
+    )
 
 
 def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, list[str]]:
@@ -124,12 +130,12 @@ def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, lis
     return process, hicache_args(urls, options.replication, options.tenant, options.coalesce_wait_s)
 
 
-def add_openai_request_guard(served_names: list[str]) -> None:
+def add_request_guard(served_names: list[str], limits: RequestLimits) -> None:
     from sglang.srt.entrypoints.http_server import app
 
-    from banaserve.server.openai_request_guard import OpenAIRequestGuard
+    from banaserve.server.request_guard import RequestGuard
 
-    app.add_middleware(OpenAIRequestGuard, served_names=served_names)
+    app.add_middleware(RequestGuard, served_names=served_names, limits=limits)
 
 
 def run_cluster_or_exit(argv: list[str], plan: LaunchConfig) -> None:
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             store_process, store_args = attach_kv_store(plan.kv_store)
             sglang_argv = sglang_argv + store_args
         server_args = prepare_server_args(sglang_argv)
-        add_openai_request_guard(plan.served_names)
+        add_request_guard(plan.served_names, plan.request_limits)
         run_server(server_args)
     finally:
         if store_process is not None:

@@ -12,10 +12,17 @@ Per generation request (``/generate``, ``/v1/completions``, ``/v1/chat/completio
    (streamed or not) goes back to the client byte for byte. With no decode instance healthy,
    a prefill instance serves the whole request, so the cluster keeps serving.
 
+Before either step, :mod:`banaserve.cluster.intake` decodes and checks the body off the event
+loop (a 4xx that names the limit, or 503 when the intake is full), and a body quarantined by
+:mod:`banaserve.cluster.poison` is refused.
+
 Faults: an instance that refuses connections leaves routing at once, one whose polls fail
-within a few seconds (:mod:`banaserve.cluster.load_board`). A request is retried on another
-instance while nothing has reached the client; after that the stream ends with an error
-event. A client never waits on an instance that has left routing: its request is cut loose.
+within a few seconds (:mod:`banaserve.cluster.load_board`). A request that never reached an
+instance, or whose instance did not die, is retried on another while nothing has reached the
+client; after that the stream ends with an error event. A request whose instance *died* while
+serving it is retried at most once, as the poison-pill guard says (on the same instance
+once restarted, when the instance crashed by itself), and answered 500 and quarantined at a
+second death. A client never waits on an instance that has left routing.
 """
 
 from __future__ import annotations
@@ -26,24 +33,24 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
 
+from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
+from banaserve.cluster.http_errors import error_response, unavailable
+from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
 from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.placement import Placement, Placer
+from banaserve.cluster.poison import PoisonGuard
 from banaserve.cluster.prometheus import render_metrics
-from banaserve.cluster.request_shape import (
-    GENERATION_PATHS,
-    RequestShape,
-    computed_prompt_tokens,
-    prefill_body,
-    shape_request,
-)
+from banaserve.cluster.request_shape import computed_prompt_tokens, prefill_body
 from banaserve.cluster.topology import DECODE, PREFILL
 from banaserve.router.policies import NoHealthyInstance, Policy
+from banaserve.server.request_limits import RequestRejected, check_body_size, check_content_type
+from banaserve.server.request_validation import GENERATION_PATHS
 
 logger = logging.getLogger("banaserve.cluster")
 
@@ -61,12 +68,6 @@ class InstanceGone(Exception):
     """The instance a request was waiting on left routing (died or stopped answering)."""
 
 
-def error_response(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
-    """An error in the shape SGLang's OpenAI server uses (its native API reads it too)."""
-    payload = {"object": "error", "message": message, "type": kind, "code": status}
-    return web.json_response(payload, status=status)
-
-
 @dataclass
 class GatewayCounters:
     requests: int = 0
@@ -77,6 +78,11 @@ class GatewayCounters:
     retries: int = 0
     errors: int = 0
     fallbacks_to_prefill: int = 0
+    rejected: int = 0  # refused by the intake (4xx)
+    intake_busy: int = 0
+    deaths_while_serving: int = 0
+    quarantined: int = 0  # requests answered 500 at their second instance death
+    quarantine_refusals: int = 0
     started_at: float = field(default_factory=time.time)
 
 
@@ -89,24 +95,28 @@ class Gateway:
         board: LoadBoard,
         prefill_policy: Policy,
         decode_policy: Policy,
-        count_tokens: Callable[[str], int] | None = None,
+        intake: Intake | None = None,
         placer: Placer | None = None,
         extra_info: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        deaths: InstanceDeaths | None = None,
+        guard: PoisonGuard | None = None,
     ) -> None:
         self.board = board
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
-        self.count_tokens = count_tokens
+        self.intake = intake if intake is not None else Intake()
         self.placer = placer if placer is not None else Placer()
         self._prefilling: dict[str, asyncio.Event] = {}  # by prompt, handoffs in prefill
         self.extra_info = extra_info
         self.counters = GatewayCounters()
+        self.failover = Failover(board, self.counters, deaths, guard)
         self.session: aiohttp.ClientSession | None = None
 
     # -- app ---------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        # aiohttp's own limit only backs up the check in _read_body (same bound, our message).
+        app = web.Application(client_max_size=self.intake.limits.max_body_bytes + 1)
         for path in GENERATION_PATHS:
             app.router.add_post(path, self.handle_generation)
         for path in INFO_PATHS:
@@ -130,25 +140,31 @@ class Gateway:
     async def _close_session(self, _: web.Application) -> None:
         if self.session is not None:
             await self.session.close()
+        self.intake.close()
 
     # -- generation --------------------------------------------------------------------------
 
     async def handle_generation(self, request: web.Request) -> web.StreamResponse:
         self.counters.requests += 1
-        path = request.path
-        raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return error_response(400, f"The request body is not valid JSON: {exc}")
-        if not isinstance(body, dict):
-            return error_response(400, "The request body must be a JSON object.")
-        shape = shape_request(path, body, self.count_tokens)
+            raw = await self._read_body(request)
+            admitted = await self.intake.admit(request.path, raw)
+        except RequestRejected as exc:
+            self.counters.rejected += 1
+            return web.json_response(exc.payload(), status=exc.status)
+        except IntakeBusy as exc:
+            self.counters.intake_busy += 1
+            return unavailable(f"The gateway is overloaded: {exc}.")
+        refusal = self.failover.guard.refusal(admitted.digest)
+        if refusal is not None:
+            self.counters.quarantine_refusals += 1
+            return error_response(400, refusal)
+        shape = admitted.shape
         placement = self.placer.place(shape)
         if placement.handoff:
             done = self._prefilling.setdefault(shape.prompt, asyncio.Event())
             try:
-                refused = await self._prefill(shape, body)
+                refused = await self._prefill(admitted)
             finally:
                 self.placer.prefilled(shape.prompt)
                 done.set()
@@ -165,28 +181,47 @@ class Gateway:
                 self.counters.followed += 1
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(followed.wait(), FOLLOW_WAIT_S)
-        return await self._decode(request, shape, raw, placement)
+        return await self._decode(request, admitted, raw, placement)
 
-    async def _prefill(self, shape: RequestShape, body: dict[str, Any]) -> web.Response | None:
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The body, refused (413/415) from its headers before any of it is read."""
+        check_content_type(request.headers.get("Content-Type"))
+        if request.content_length is not None:
+            check_body_size(request.content_length, self.intake.limits)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:  # chunked, without a length up front
+            check_body_size(exc.actual_size or self.intake.limits.max_body_bytes + 1,
+                            self.intake.limits)  # fmt: skip
+            raise
+
+    async def _prefill(self, admitted: Admitted) -> web.Response | None:
         """Run the prompt on a prefill instance. Returns the response to give the client when
-        the instance refused the request (4xx), else None (also when no prefill could be
-        reached: the decode instance then computes the prompt itself)."""
+        the instance refused the request (4xx) or it was quarantined, else None (also when
+        no prefill could be reached: the decode instance then computes the prompt itself)."""
         if not self.board.healthy(PREFILL):
             return None
-        payload = prefill_body(shape.path, body)
+        shape = admitted.shape
+        payload = prefill_body(shape.path, admitted.body)
         tried: set[str] = set()
+        only: str | None = None  # the restarted instance a suspect request goes back to
         while True:
-            candidates = [c for c in self.board.healthy(PREFILL) if c.url not in tried]
+            candidates = [c for c in self.board.healthy(PREFILL)
+                          if c.url == only or (only is None and c.url not in tried)]  # fmt: skip
             if not candidates:
                 return None
             url = self.prefill_policy.choose(candidates, shape.prompt).url
             tried.add(url)
+            only = None
+            pid = self.failover.pid_of(url)
             self.board.begin(url, shape.prompt_tokens)
             try:
                 status, data = await self._race(self._post_json(url + shape.path, payload), url)
-            except (aiohttp.ClientError, OSError, InstanceGone) as exc:
-                self.board.mark_failed(url, f"prefill request failed: {exc!r}")
-                self.counters.retries += 1
+                await self.failover.raise_if_died(url, pid, status)
+            except (aiohttp.ClientError, OSError, InstanceGone, InstanceDied) as exc:
+                refused, only = await self.failover.next_try(url, pid, exc, admitted, "prefill")
+                if refused is not None:
+                    return refused
                 continue
             finally:
                 self.board.end(url, shape.prompt_tokens)
@@ -226,50 +261,52 @@ class Gateway:
         return fallback
 
     async def _decode(
-        self, request: web.Request, shape: RequestShape, raw: bytes, placement: Placement
+        self, request: web.Request, admitted: Admitted, raw: bytes, placement: Placement
     ) -> web.StreamResponse:
         """Serve the request on a decode instance (or, for ``placement.any_role``, any one).
         ``placement.uncached_tokens`` count as the instance's queued prefill work meanwhile."""
         assert self.session is not None
+        shape = admitted.shape
         tried: set[str] = set()
+        only: str | None = None  # the restarted instance a suspect request goes back to
         last_error = "no decode instance is healthy"
         prefill_tokens = placement.uncached_tokens
         while True:
-            candidates = [
-                c for c in self._decode_candidates(placement.any_role) if c.url not in tried
-            ]
+            candidates = [c for c in self._decode_candidates(placement.any_role or bool(only))
+                          if c.url == only or (only is None and c.url not in tried)]  # fmt: skip
             if not candidates:
                 self.counters.errors += 1
-                return error_response(
-                    503, f"No instance could serve the request: {last_error}.",
-                    "ServiceUnavailableError",
-                )  # fmt: skip
+                return unavailable(f"No instance could serve the request: {last_error}.")
             try:
                 url = self.decode_policy.choose(candidates, shape.prompt).url
             except NoHealthyInstance as exc:
                 self.counters.errors += 1
-                return error_response(503, str(exc), "ServiceUnavailableError")
+                return unavailable(str(exc))
             tried.add(url)
+            only = None
             if self.board.loads[url].role == PREFILL:
                 self.counters.direct_on_prefill += 1
+            pid = self.failover.pid_of(url)
             self.board.begin(url, prefill_tokens)
             try:
-                return await self._relay(request, url, shape, raw)
-            except (aiohttp.ClientError, OSError, InstanceGone) as exc:
+                return await self._relay(request, url, admitted, raw, pid)
+            except (aiohttp.ClientError, OSError, InstanceGone, InstanceDied) as exc:
                 # Nothing reached the client yet (_relay handles failures after that).
                 last_error = f"{url} failed: {exc!r}"
-                self.board.mark_failed(url, f"decode request failed: {exc!r}")
-                self.counters.retries += 1
+                refused, only = await self.failover.next_try(url, pid, exc, admitted, "serve")
+                if refused is not None:
+                    return refused
             finally:
                 self.board.end(url, prefill_tokens)
                 self.decode_policy.on_done(url, shape.prompt)
 
     async def _relay(
-        self, request: web.Request, url: str, shape: RequestShape, raw: bytes
+        self, request: web.Request, url: str, admitted: Admitted, raw: bytes, pid: int | None
     ) -> web.StreamResponse:
         """Send the request to ``url`` and pass its answer through. Raises (for a retry) only
         while nothing has been sent to the client."""
         assert self.session is not None
+        shape = admitted.shape
         headers = {"Content-Type": JSON}
         upstream = await self._race(
             self.session.post(url + shape.path, data=raw, headers=headers), url
@@ -278,6 +315,7 @@ class Gateway:
             content_type = upstream.headers.get("Content-Type", JSON)
             if "text/event-stream" not in content_type:
                 data = await self._race(upstream.read(), url)
+                await self.failover.raise_if_died(url, pid, upstream.status)
                 if upstream.status == 200:
                     self._count_prompt(url, shape.path, data)
                 return web.Response(
@@ -302,7 +340,8 @@ class Gateway:
                     return out  # the client left; leaving `async with` aborts upstream
             if failure is not None:
                 self.counters.errors += 1
-                self.board.mark_failed(url, f"stream broke: {failure!r}")
+                # Too late to retry, but a death still counts against the request's body.
+                await self.failover.after_failure(url, pid, failure, admitted, "stream")
                 message = f"The instance serving this request failed mid-stream: {failure!r}"
                 error = {"error": {"message": message, "code": 503}}
                 with contextlib.suppress(ConnectionError, aiohttp.ClientError):
@@ -338,7 +377,7 @@ class Gateway:
 
     async def handle_health(self, _: web.Request) -> web.Response:
         if not self._any_healthy():
-            return error_response(503, "no healthy instance", "ServiceUnavailableError")
+            return unavailable("no healthy instance")
         return web.Response(text="")
 
     async def handle_info(self, request: web.Request) -> web.Response:
@@ -381,6 +420,7 @@ class Gateway:
                 "name": spec.name, "role": spec.role, "url": spec.url,
                 "cores": list(spec.cores), "load": load.to_json(),
                 "routed": stats.routed, "failed": stats.failed,
+                "inflight": self.board.inflight_requests(spec.url),
                 "prompt_tokens": stats.prompt_tokens,
                 "computed_prompt_tokens": stats.computed_prompt_tokens,
             })  # fmt: skip
@@ -390,16 +430,10 @@ class Gateway:
             "handoff_min_tokens": self.placer.handoff_min_tokens,
             "in_place_max_new_tokens": self.placer.in_place_max_new_tokens,
             "gateway": {
-                "requests": counters.requests,
-                "handoffs": counters.handoffs,
-                "direct": counters.direct,
-                "direct_on_prefill": counters.direct_on_prefill,
-                "followed": counters.followed,
-                "retries": counters.retries,
-                "errors": counters.errors,
-                "fallbacks_to_prefill": counters.fallbacks_to_prefill,
+                **{k: v for k, v in asdict(counters).items() if k != "started_at"},
                 "uptime_s": round(time.time() - counters.started_at, 1),
-            },  # fmt: skip
+            },
+            "supervisor": self.failover.deaths.report() if self.failover.deaths else {},
             "instances": instances,
         }
 

@@ -3,8 +3,8 @@
 Each instance's record comes from its own ``/metrics`` (SGLang's Prometheus counters),
 polled every :data:`POLL_INTERVAL_S`, merged with what the gateway itself knows it sent and
 has not seen finish (metrics lag behind a burst by up to one poll). An instance whose process
-exited, or that failed :data:`FAILURES_BEFORE_DOWN` polls in a row, is unhealthy and leaves
-routing; a later good poll brings it back.
+exited is out of routing until the supervisor has restarted it; one that failed
+:data:`FAILURES_BEFORE_DOWN` polls in a row leaves routing until a later good poll.
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ class LoadBoard:
         """The prompt is computed: it no longer counts as queued prefill work."""
         self._inflight[url].prefill_tokens -= prefill_tokens
 
+    def inflight_requests(self, url: str) -> int:
+        """Requests the gateway sent to ``url`` and has not seen end."""
+        return self._inflight[url].requests
+
     def count_prompt(self, url: str, prompt_tokens: int, cached_tokens: int) -> None:
         stats = self.stats[url]
         stats.prompt_tokens += prompt_tokens
@@ -121,12 +125,17 @@ class LoadBoard:
         self._set_unhealthy(url)
 
     def mark_dead(self, url: str) -> None:
-        """The process exited: out of routing for good."""
+        """The process exited: out of routing, polls ignored, until :meth:`revive`."""
         self._dead.add(url)
         self._set_unhealthy(url)
 
-    def is_dead(self, url: str) -> bool:
-        return url in self._dead
+    def revive(self, url: str) -> None:
+        """A restarted instance serves again: back in routing at once (its next poll
+        refreshes the load record)."""
+        self._dead.discard(url)
+        self._failures[url] = 0
+        self._gone.pop(url, None)
+        self.loads[url] = replace(self.loads[url], healthy=True, updated_at=time.monotonic())
 
     def record_poll(self, spec: InstanceSpec, text: str | None, why: str = "") -> None:
         url = spec.url

@@ -1,8 +1,8 @@
 """The cluster's child processes: the embedded store shard and the SGLang instances.
 
 Every child is a :class:`~banaserve.utils.processes.ManagedProcess` in its own process group
-with its own log file, so stopping one stops whatever it spawned, and a crash is reported
-with the last lines it logged.
+with its own log file, so stopping one stops whatever it spawned, and it dies with the
+launcher.
 """
 
 from __future__ import annotations
@@ -13,35 +13,34 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 from banaserve.cluster.topology import InstanceSpec
-from banaserve.utils.processes import ChildFailed, ManagedProcess, tail
+from banaserve.utils.processes import ChildFailed, ManagedProcess
 
 logger = logging.getLogger("banaserve.cluster")
 
 #: SGLang takes 25-40 s to start on these machines, several at once on 2 cores much longer.
 START_TIMEOUT_S = 600.0
 PROGRESS_EVERY_S = 15.0
+WAITING_CALL_EVERY_S = 5.0
 
 
 @dataclass
-class Instance:
-    """A started SGLang instance; ``process`` is owned by :class:`ClusterProcesses`."""
+class Child:
+    """A child of the cluster: an SGLang instance (``spec`` set) or the embedded store.
+    ``process`` is its current run, owned by :class:`ClusterProcesses`; the supervisor
+    replaces it when it restarts the child."""
 
-    spec: InstanceSpec
+    name: str
     process: ManagedProcess
-    crash_reported: bool = field(default=False)
+    spec: InstanceSpec | None = None
 
     @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def url(self) -> str:
-        return self.spec.url
+    def url(self) -> str | None:
+        return self.spec.url if self.spec is not None else None
 
 
 def instance_argv(spec: InstanceSpec, launch_argv: Sequence[str]) -> list[str]:
@@ -64,18 +63,28 @@ def instance_env(spec: InstanceSpec, base: dict[str, str]) -> dict[str, str]:
 
 
 class ClusterProcesses:
-    """Starts, watches and stops the instances (and the store process, when given).
+    """Starts and stops the instances (and the store process, when given).
 
-    Thread-safe for :meth:`dead_instances` and :meth:`stop` from any thread; start-up runs in
-    the caller's thread. Stop is idempotent: instances first (in parallel), then the store.
+    Start-up runs in the caller's thread, which must outlive the children (they die with the
+    thread that started them; see :class:`ManagedProcess`). Watching and restarting them is
+    :class:`~banaserve.cluster.supervisor.Supervisor`'s. Stop is idempotent: instances
+    first (in parallel), then the store.
     """
 
     def __init__(self, log_dir: Path, store: ManagedProcess | None = None) -> None:
         self.log_dir = log_dir
-        self.store = store
-        self.instances: list[Instance] = []
+        self.store = Child(store.name, store) if store is not None else None
+        self.instances: list[Child] = []
         self._lock = threading.Lock()
         self._stopped = False
+
+    @property
+    def children(self) -> list[Child]:
+        return self.instances + ([self.store] if self.store is not None else [])
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
 
     def start(
         self,
@@ -83,8 +92,11 @@ class ClusterProcesses:
         launch_argv: Sequence[str],
         env: dict[str, str],
         timeout: float = START_TIMEOUT_S,
+        on_started: Callable[[Child], None] | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ) -> None:
-        """Start every instance at once and wait until each answers ``/health``.
+        """Start every instance at once and wait until each answers ``/health``, calling
+        ``on_started`` for each child started and ``while_waiting`` every few seconds.
 
         Raises :class:`ChildFailed` (quoting the failing child's log) when one exits or does
         not become ready within ``timeout``; the caller then calls :meth:`stop`.
@@ -96,7 +108,10 @@ class ClusterProcesses:
                 self.log_dir / f"{spec.name}.log",
                 env=instance_env(spec, env),
             )
-            self.instances.append(Instance(spec, process))
+            child = Child(spec.name, process, spec)
+            self.instances.append(child)
+            if on_started is not None:
+                on_started(child)
             logger.info(
                 "started %s (pid %d) on port %d%s, log %s",
                 spec.name, process.pid, spec.port,
@@ -109,8 +124,13 @@ class ClusterProcesses:
             waits = [
                 pool.submit(self._wait_ready, instance, timeout) for instance in self.instances
             ]
-            for future in waits:
-                future.result()
+            pending = set(waits)
+            while pending:
+                done, pending = wait(pending, WAITING_CALL_EVERY_S, FIRST_EXCEPTION)
+                for future in done:
+                    future.result()  # raises the first failure
+                if while_waiting is not None:
+                    while_waiting()
         finally:
             # Not waiting for the others on a failure or a signal: stop() ends their waits,
             # since a stopped child fails its readiness poll at once.
@@ -119,31 +139,11 @@ class ClusterProcesses:
             "%d instances ready after %.0f s", len(self.instances), time.monotonic() - start
         )
 
-    def _wait_ready(self, instance: Instance, timeout: float) -> None:
+    def _wait_ready(self, instance: Child, timeout: float) -> None:
         took = instance.process.wait_http_ok(
             f"{instance.url}/health", timeout, progress_every=PROGRESS_EVERY_S
         )
         logger.info("%s ready after %.0f s", instance.name, took)
-
-    def dead_instances(self, on_crash: Callable[[Instance, str], None] | None = None) -> set[str]:
-        """Names of instances whose process has exited. A crash is reported once, with the
-        last lines of its log, to ``on_crash`` (default: the log)."""
-        dead = set()
-        for instance in self.instances:
-            if instance.process.alive():
-                continue
-            dead.add(instance.name)
-            with self._lock:
-                if instance.crash_reported or self._stopped:
-                    continue
-                instance.crash_reported = True
-            message = (
-                f"{instance.name} (pid {instance.process.pid}) exited with code "
-                f"{instance.process.process.returncode}; last lines of "
-                f"{instance.process.log_path}:\n{tail(instance.process.log_path, 20)}"
-            )
-            (on_crash or (lambda _, text: logger.error(text)))(instance, message)
-        return dead
 
     def stop(self) -> None:
         with self._lock:
@@ -155,7 +155,7 @@ class ClusterProcesses:
             with ThreadPoolExecutor(len(self.instances)) as pool:
                 list(pool.map(lambda instance: instance.process.stop(), self.instances))
         if self.store is not None:
-            self.store.stop()
+            self.store.process.stop()
         logger.info("cluster stopped: %d instances", len(self.instances))
 
 
@@ -165,4 +165,4 @@ def default_log_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"banaserve-cluster-{os.getpid()}-"))
 
 
-__all__ = ["ChildFailed", "ClusterProcesses", "Instance", "default_log_dir"]
+__all__ = ["Child", "ChildFailed", "ClusterProcesses", "default_log_dir"]

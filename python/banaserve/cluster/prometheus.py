@@ -26,6 +26,15 @@ INSTANCE_COUNTERS = (
 )  # fmt: skip
 
 
+#: (metric, help, key in the supervisor's report of a child: instances and the store)
+CHILD_METRICS = (
+    ("banaserve_instance_restarts_total", "Restarts of the child after it died", "restarts"),
+    ("banaserve_instance_deaths_total", "Runs of the child that ended unasked", "deaths"),
+    ("banaserve_instance_running", "1 if the child runs and serves (not dead or starting)",
+     "running"),
+)  # fmt: skip
+
+
 def _labels(**labels: str) -> str:
     inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
     return "{" + inner + "}"
@@ -41,6 +50,13 @@ def render_metrics(state: dict[str, Any]) -> str:
             value = instance["load"][key] if key in instance["load"] else instance[key]
             labels = _labels(instance=instance["name"], role=instance["role"])
             lines.append(f"{metric}{labels} {float(value):g}")
+    children = state.get("supervisor", {})
+    for metric, help_text, key in CHILD_METRICS if children else ():
+        kind = "counter" if metric.endswith("_total") else "gauge"
+        lines += [f"# HELP {metric} {help_text}.", f"# TYPE {metric} {kind}"]
+        for name, report in children.items():
+            value = report["state"] == "running" if key == "running" else report[key]
+            lines.append(f"{metric}{_labels(instance=name)} {float(value):g}")
     for key, value in state["gateway"].items():
         if key == "uptime_s":
             continue

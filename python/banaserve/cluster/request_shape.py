@@ -15,10 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-GENERATE = "/generate"
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-GENERATION_PATHS = (GENERATE, COMPLETIONS, CHAT)
+from banaserve.server.request_validation import CHAT, COMPLETIONS, GENERATE, message_texts
 
 #: Without a tokenizer: about four characters per token for English text.
 CHARS_PER_TOKEN = 4
@@ -49,8 +46,8 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
     """The prompt as text for prefix matching; token ids (``input_ids``, a completions prompt
     of ids) as their decimal string, so equal id prefixes still match."""
     if path == CHAT:
-        messages = body.get("messages") or []
-        return "\n".join(_text_of(m.get("content")) for m in messages if isinstance(m, dict))
+        messages = body.get("messages")
+        return "\n".join(message_texts(messages)) if isinstance(messages, list) else ""
     key, ids_key = ("prompt", "prompt") if path == COMPLETIONS else ("text", "input_ids")
     text = _text_of(body.get(key))
     if not text and _token_count_of_ids(body, ids_key) is not None:

@@ -1,10 +1,12 @@
 """``launch_server --num-prefill P --num-decode D``: store, instances and gateway, in order.
 
-Start-up: the embedded store (unless ``--kv-store`` names shards), then every instance at
-once (progress every few seconds; one that exits or is not ready in time fails the start with
-its last log lines), then the gateway on ``--host``/``--port``. Ctrl-C or SIGTERM stops the
-gateway and every child. A child that crashes later is reported with its last log lines and
-leaves routing; the others keep serving.
+Start-up: the reaper (which cleans up if the launcher is killed), the embedded store (unless
+``--kv-store`` names shards), then every instance at once (progress every few seconds; one
+that exits or is not ready in time fails the start with its last log lines), then the
+gateway on ``--host``/``--port``. Ctrl-C or SIGTERM stops the gateway and every child, and
+removes the shared-memory files the children left. A child that dies later is reported with
+its last log lines and restarted by :mod:`banaserve.cluster.supervisor`; the others keep
+serving meanwhile.
 """
 
 from __future__ import annotations
@@ -15,16 +17,19 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from banaserve.cluster.gateway import Gateway
+from banaserve.cluster.intake import Intake, load_tokenizer, model_vocab_size
+from banaserve.cluster.leftovers import LeftoverLedger, clean_up
 from banaserve.cluster.load_board import LoadBoard, poll_forever
 from banaserve.cluster.placement import Placer
-from banaserve.cluster.processes import ClusterProcesses, default_log_dir
+from banaserve.cluster.processes import Child, ClusterProcesses, default_log_dir
+from banaserve.cluster.reaper import Reaper
+from banaserve.cluster.supervisor import Supervisor
 from banaserve.cluster.topology import DECODE, PREFILL, plan_cores, plan_instances
 from banaserve.platform import cpu_platform_wanted
 from banaserve.server.cli import (
@@ -36,11 +41,11 @@ from banaserve.server.cli import (
 )
 from banaserve.server.kv_pool_sizing import available_memory_bytes, size_kv_pool
 from banaserve.server.memory_plan import MemoryPlan, host_pool_ratio, plan_memory
+from banaserve.server.request_limits import ModelLimits
 from banaserve.utils.processes import ChildFailed, ManagedProcess, exit_on_sigterm, free_port
 
 logger = logging.getLogger("banaserve.cluster")
 
-MONITOR_INTERVAL_S = 1.0
 STORE_VALUE_FLAGS = ("--kv-store", "--kv-store-token", "--kv-store-replication",
                      "--kv-store-capacity-gb", "--kv-store-tenant", "--kv-store-mode",
                      "--kv-store-coalesce-wait-s", "--kv-pool-memory-fraction")  # fmt: skip
@@ -67,19 +72,6 @@ def instance_launch_argv(
         "--kv-pool-memory-fraction", str(kv_pool_memory_fraction / instances),
     ]  # fmt: skip
     return out
-
-
-def token_counter(model_path: str) -> Callable[[str], int] | None:
-    """Prompt length in tokens for routing decisions; None (estimate from characters) when
-    the tokenizer cannot load."""
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except Exception as exc:  # noqa: BLE001 - any failure only costs routing precision
-        logger.warning("no tokenizer for routing (%s): estimating from characters", exc)
-        return None
-    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def memory_plan(
@@ -126,15 +118,20 @@ def run_cluster(
     log_dir = Path(options.log_dir) if options.log_dir else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     logger.info("cluster logs in %s", log_dir)
+    ledger = LeftoverLedger(log_dir / "children.json")
+    ledger.add_session(os.getpid())  # not killed: the reaper only runs once this has exited
+    reaper = Reaper(ledger.path, log_dir / "reaper.log")
     token = store.token or os.environ.get(TOKEN_ENV)
     urls = store.urls
     store_process: ManagedProcess | None = None
-    if store.embedded:
-        store_process, url, token = start_embedded_store(store.capacity_gb, token, log_dir)
-        urls = [url]
-        logger.info("embedded KV store at %s (pid %d)", url, store_process.pid)
-    processes = ClusterProcesses(log_dir, store_process)
+    processes: ClusterProcesses | None = None
     try:
+        if store.embedded:
+            store_process, url, token = start_embedded_store(store.capacity_gb, token, log_dir)
+            ledger.add_session(store_process.pid)
+            urls = [url]
+            logger.info("embedded KV store at %s (pid %d)", url, store_process.pid)
+        processes = ClusterProcesses(log_dir, store_process)
         cores = plan_cores(count, sorted(os.sched_getaffinity(0))) if options.cpu_affinity else None
         ports: set[int] = set()
         while len(ports) < count:
@@ -146,40 +143,96 @@ def run_cluster(
         env = dict(os.environ)
         if token:
             env[TOKEN_ENV] = token
-        processes.start(specs, launch, env)
+        processes.start(
+            specs, launch, env,
+            on_started=lambda child: ledger.add_session(child.process.pid),
+            while_waiting=ledger.scan,
+        )  # fmt: skip
         asyncio.run(
             serve_gateway(
                 processes, specs, options, urls, token, model_path,
-                args.host or "127.0.0.1", args.port or 30000,
+                args.host or "127.0.0.1", args.port or 30000, ledger,
             )
         )  # fmt: skip
     finally:
-        processes.stop()
+        if processes is not None:
+            processes.stop()
+        elif store_process is not None:
+            store_process.stop()
+        ledger.scan()  # anything mapped at the very end
+        _, removed = clean_up(ledger.path, wait_s=0)
+        if removed:
+            logger.info("removed %d shared-memory files the instances left", removed)
+        reaper.stop()
+
+
+async def model_limits(
+    model_path: str, specs: list[Any], max_token_bytes: int | None
+) -> ModelLimits | None:
+    """The model's vocabulary and context, the latter as an instance reports it (SGLang
+    derives it from the config and ``--context-length``); None if either is unknown."""
+    import aiohttp
+
+    vocab = model_vocab_size(model_path)
+    context = None
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        for spec in specs:
+            try:
+                async with session.get(f"{spec.url}/v1/models") as response:
+                    context = (await response.json())["data"][0]["max_model_len"]
+                    break
+            except (aiohttp.ClientError, OSError, KeyError, IndexError, ValueError):
+                continue
+    if vocab is None or not isinstance(context, int):
+        logger.warning("model limits unknown (vocab %s, context %s): token ids unchecked",
+                       vocab, context)  # fmt: skip
+        return None
+    # Without a tokenizer, one character per byte is the only safe bound on token length.
+    return ModelLimits(vocab, context, max_token_bytes or 1 << 20)
 
 
 async def serve_gateway(
     processes: ClusterProcesses, specs: list[Any], options: ClusterOptions, urls: list[str],
-    token: str | None, model_path: str, host: str, port: int,
+    token: str | None, model_path: str, host: str, port: int, ledger: LeftoverLedger,
 ) -> None:  # fmt: skip
+    import aiohttp
+
     from banaserve.kvstore.client import KvStoreClient
     from banaserve.router.policies import make_policy
 
     board = LoadBoard(specs)
-    count_tokens = await asyncio.to_thread(token_counter, model_path)
+    count_tokens, max_token_bytes = await asyncio.to_thread(load_tokenizer, model_path)
+    limits = await model_limits(model_path, specs, max_token_bytes)
     store_client = await asyncio.to_thread(KvStoreClient, urls, token)
+    ready_timeout = aiohttp.ClientTimeout(total=5)
+
+    async def ready(child: Child) -> bool:
+        if child.url is None:  # the store: listening again
+            host_port = urls[0].split("://", 1)[1].rsplit(":", 1)
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection(host_port[0], int(host_port[1]))
+                writer.close()
+                return True
+            return False
+        assert gateway.session is not None
+        async with gateway.session.get(f"{child.url}/health", timeout=ready_timeout) as r:
+            return r.status == 200
+
+    supervisor = Supervisor(processes, board, ready, options.restart_policy, ledger)
 
     async def extra_info() -> dict[str, Any]:
         stats = await asyncio.to_thread(store_client.stats)
-        pids = {i.name: i.process.pid for i in processes.instances}
+        pids = {i.name: i.process.pid for i in processes.children}
         return {"store": stats, "log_dir": str(processes.log_dir), "pids": pids}
 
     gateway = Gateway(
         board,
         make_policy(options.router_policy, PREFILL),
         make_policy(options.router_policy, DECODE),
-        count_tokens,
+        Intake(options.request_limits, limits, count_tokens),
         Placer(options.handoff_min_tokens, options.in_place_max_new_tokens),
         extra_info,
+        supervisor,
     )
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()
@@ -193,7 +246,7 @@ async def serve_gateway(
         assert gateway.session is not None
         tasks = [
             asyncio.create_task(poll_forever(board, gateway.session)),
-            asyncio.create_task(monitor(processes, board)),
+            asyncio.create_task(supervisor.run()),
         ]
         prefill = sum(s.role == PREFILL for s in specs)
         logger.info(
@@ -211,15 +264,6 @@ async def serve_gateway(
                 await task
         await runner.cleanup()
         store_client.close()
-
-
-async def monitor(processes: ClusterProcesses, board: LoadBoard) -> None:
-    """Take crashed instances out of routing, reporting each crash once."""
-    by_name = {spec.name: spec for spec in board.specs}
-    while True:
-        for name in processes.dead_instances():
-            board.mark_dead(by_name[name].url)
-        await asyncio.sleep(MONITOR_INTERVAL_S)
 
 
 __all__ = ["ChildFailed", "run_cluster"]

@@ -11,6 +11,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from banaserve.cluster.restart_policy import RestartPolicy
+from banaserve.server.request_limits import (
+    DEFAULT_MAX_JSON_DEPTH,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_REQUEST_BYTES,
+    RequestLimits,
+)
+
 PROG = "python -m banaserve.launch_server"
 KV_STORE_MODES = ("hicache", "linker")
 #: Kept in step with banaserve.router.policies.POLICY_NAMES (a test checks): importing the
@@ -24,6 +32,7 @@ CLUSTER_VALUE_FLAGS = (
     "--handoff-min-tokens",
     "--in-place-max-new-tokens",
     "--cluster-log-dir",
+    "--max-restarts-per-minute",
 )
 CLUSTER_SWITCHES = ("--cpu-affinity",)
 
@@ -37,6 +46,7 @@ class LaunchConfig:
     notes: list[str] = field(default_factory=list)
     kv_store: KvStoreOptions | None = None
     cluster: ClusterOptions | None = None
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,8 @@ class ClusterOptions:
     handoff_min_tokens: int
     log_dir: str | None
     in_place_max_new_tokens: int
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
@@ -64,10 +76,25 @@ class ClusterOptions:
             raise ValueError("--handoff-min-tokens must not be negative")
         if args.in_place_max_new_tokens < 0:
             raise ValueError("--in-place-max-new-tokens must not be negative")
+        if args.max_restarts_per_minute < 1:
+            raise ValueError("--max-restarts-per-minute must be at least 1")
         return cls(
             prefill, decode, args.router_policy, args.cpu_affinity,
             args.handoff_min_tokens, args.cluster_log_dir, args.in_place_max_new_tokens,
+            request_limits_from_args(args),
+            RestartPolicy(max_per_minute=args.max_restarts_per_minute),
         )  # fmt: skip
+
+
+def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    """``--max-request-bytes/--max-json-depth/--max-request-n`` (ValueError when out of
+    range)."""
+    if args.max_request_bytes < 1 or args.max_json_depth < 2 or args.max_request_n < 1:
+        raise ValueError(
+            "--max-request-bytes and --max-request-n must be at least 1, --max-json-depth at "
+            "least 2"
+        )
+    return RequestLimits(args.max_request_bytes, args.max_json_depth, args.max_request_n)
 
 
 @dataclass(frozen=True)
@@ -124,6 +151,26 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         help="On the CPU, do not add BanaServe's defaults (--device cpu, --sleep-on-idle, a KV "
         "pool sized from free memory).",
     )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="Largest request body accepted, in bytes; larger ones get 413 (default: "
+        f"{DEFAULT_MAX_REQUEST_BYTES >> 20} MiB).",
+    )
+    group.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=DEFAULT_MAX_JSON_DEPTH,
+        help="Deepest nesting of arrays and objects accepted in a request body (default: "
+        f"{DEFAULT_MAX_JSON_DEPTH}).",
+    )
+    group.add_argument(
+        "--max-request-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        help=f"Most completions one request may ask for (n, best_of; default: {DEFAULT_MAX_N}).",
+    )
     store = parser.add_argument_group("BanaServe KV store")
     store.add_argument(
         "--kv-store",
@@ -153,7 +200,9 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
     store.add_argument(
         "--kv-store-tenant",
         default="",
-        help="Tenant name: instances of different tenants never share pages.",
+        help="Tenant name: instances of different tenants never share pages. A namespace the "
+        "client picks, not a permission: a store with per-tenant tokens (--tenant-tokens) "
+        "enforces tenants itself, from the token.",
     )
     store.add_argument(
         "--kv-store-mode",
@@ -217,6 +266,13 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         help="A request that needs no prefill step and generates at most this many tokens may "
         "run whole on a prefill instance too, balancing over every instance (default: 16; "
         "0 keeps decoding on decode instances).",
+    )
+    cluster.add_argument(
+        "--max-restarts-per-minute",
+        type=int,
+        default=RestartPolicy().max_per_minute,
+        help="Restarts of one dead instance (or store) in any minute, at most; they back off "
+        f"exponentially before that (default: {RestartPolicy().max_per_minute}).",
     )
     cluster.add_argument(
         "--cluster-log-dir",

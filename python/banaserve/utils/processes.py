@@ -2,11 +2,14 @@
 
 Every child runs in its own session (process group), so stopping it also stops whatever it
 spawned (an SGLang server spawns a scheduler and a detokenizer). Output goes to a log file
-whose last lines are quoted when the child fails, so a crash is never silent.
+whose last lines are quoted when the child fails, so a crash is never silent. A child dies
+with its parent: the kernel sends it SIGKILL when the thread that started it ends
+(``PR_SET_PDEATHSIG``), so a launcher killed by the OOM killer leaves nothing running.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import signal
@@ -16,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 #: Where :func:`free_port` looks first: below Linux's default ephemeral range (32768-60999).
@@ -53,6 +56,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def parent_death_signal(sig: signal.Signals = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent thread ends.
+
+    libc is resolved here, in the parent: between fork and exec the child only makes the
+    system call. A parent that died before the call leaves the child orphaned already
+    (``getppid`` changed), so the child exits at once.
+    """
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
 class ChildFailed(RuntimeError):
     """A child exited, or did not become ready in time; the message quotes its log."""
 
@@ -70,7 +94,9 @@ class ManagedProcess:
     """One child process with its own log file.
 
     The owner must call :meth:`stop` (or use it as a context manager); stopping is
-    idempotent. Not thread-safe: one owner drives it.
+    idempotent. Not thread-safe: one owner drives it. With ``die_with_parent`` (the
+    default) the child is killed when the *thread* that created this object ends, so
+    create it from the main thread or another thread that outlives the child.
     """
 
     def __init__(
@@ -80,21 +106,48 @@ class ManagedProcess:
         log_path: Path,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        die_with_parent: bool = True,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = cwd
+        self.die_with_parent = die_with_parent
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.log_offset = self._log.tell()  # where this run's output starts
+        self.started_at = time.monotonic()
         self.process = subprocess.Popen(
             self.argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=dict(os.environ if env is None else env),
+            env=self.env,
             cwd=cwd,
             start_new_session=True,
+            preexec_fn=parent_death_signal() if die_with_parent else None,
         )
+
+    def respawn(self) -> ManagedProcess:
+        """A new run of the same command, logging to the same file (appended). This
+        process must have exited; the caller owns the new one."""
+        if self.alive():
+            raise RuntimeError(f"{self.name} (pid {self.pid}) is still running")
+        self.stop()  # closes the log; kills whatever the old run left in its group
+        return ManagedProcess(
+            self.name, self.argv, self.log_path, self.env, self.cwd, self.die_with_parent
+        )
+
+    def log_since_start(self, max_bytes: int = 1 << 20) -> str:
+        """The end of what this run logged (at most ``max_bytes``)."""
+        try:
+            with open(self.log_path, "rb") as log:
+                size = log.seek(0, os.SEEK_END)
+                log.seek(max(self.log_offset, size - max_bytes))
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     @property
     def pid(self) -> int:
