@@ -119,7 +119,6 @@ def run_cluster(
     log_dir.mkdir(parents=True, exist_ok=True)
     logger.info("cluster logs in %s", log_dir)
     ledger = LeftoverLedger(log_dir / "children.json")
-    ledger.add_session(os.getpid())  # not killed: the reaper only runs once this has exited
     reaper = Reaper(ledger.path, log_dir / "reaper.log")
     token = store.token or os.environ.get(TOKEN_ENV)
     urls = store.urls
