@@ -14,7 +14,8 @@ the same body counts too). What the gateway does then (:meth:`PoisonGuard.after_
 - at the second death the request is answered 500 and its digest is quarantined for
   :attr:`PoisonGuard.quarantine_s`: the same body is refused at once meanwhile.
 
-So one request takes down at most one instance that was not already serving it.
+So a request that crashes its instance never reaches another one, and one whose
+instance was killed from outside is tried on one other instance at most.
 
 Pure code with an injected clock; used from the gateway's event loop (no lock).
 """
