@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import re
-import select
 import signal
 import socket
 import subprocess
@@ -22,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from banaserve.kvstore import hostile
 from banaserve.kvstore import server as server_module
 from banaserve.kvstore.client import KvStoreAuthError, KvStoreClient, KvStoreRemoteError
 from banaserve.kvstore.framing import Frame, FrameDecoder
@@ -32,67 +31,20 @@ from banaserve.kvstore.storage import PageStore, TieredStore
 from banaserve.kvstore.transport import open_transport, parse_url, shm
 from banaserve.kvstore.transport.tcp import TcpTransport
 
-PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
 TOKEN = "test-token-123"
 PAGE = 4096
-START_TIMEOUT = 30.0
 
 
-class StoreProcess:
-    """``python -m banaserve.kvstore.server`` in its own session; stopped by PID."""
+class StoreProcess(hostile.StoreProcess):
+    """The store server process, with these tests' token by default; :meth:`stop` also gives
+    what it printed after its first line."""
 
     def __init__(self, log_dir: Path, *args: str, token: str | None = TOKEN, port: int = 0) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "BANASERVE_KV_STORE_TOKEN"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), env.get("PYTHONPATH")]))
-        if token is not None:
-            env["BANASERVE_KV_STORE_TOKEN"] = token  # the env path; --token is the other one
-        argv = [sys.executable, "-m", "banaserve.kvstore.server", "--port", str(port)]
-        argv += ["--capacity-gb", "0.25", "--log-level", "info", *args]
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"store-{time.monotonic_ns()}.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                text=True,
-                start_new_session=True,
-            )
-        self.first_line = self._read_line()
-        match = re.search(r"listening on (tcp://[^\s,;]+)", self.first_line)
-        assert match, f"no URL in {self.first_line!r}; log: {self.log_path.read_text()}"
-        self.url = match.group(1)
-        self.port = int(self.url.rsplit(":", 1)[1])
+        super().__init__(log_dir, *args, token=token, port=port)
 
-    def _read_line(self) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT)
-        if not ready:
-            self.kill()
-            raise AssertionError(f"store did not start; log: {self.log_path.read_text()}")
-        return self.proc.stdout.readline()
-
-    @property
-    def shm_url(self) -> str:
-        return self.url.replace("tcp://", "shm://")
-
-    def stop(self) -> tuple[int, str]:
-        """SIGTERM, wait; returns (exit code, the rest of stdout)."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            out, _ = self.proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-        return self.proc.returncode, out
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
+    def stop(self) -> tuple[int, str]:  # type: ignore[override]
+        code = super().stop()
+        return code, self.output
 
 
 @pytest.fixture(scope="module")

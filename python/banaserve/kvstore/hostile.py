@@ -52,8 +52,9 @@ SERVER_PATH_ENV = "BANASERVE_PROBE_SERVER_PATH"
 
 
 class StoreProcess:
-    """``python -m banaserve.kvstore.server --port 0`` in its own session (the package imported
-    from where this module was), stopped by its PID. ``token`` goes in the environment."""
+    """``python -m banaserve.kvstore.server`` on ``port`` (0: a free one) in its own session
+    (the package imported from where this module was), stopped by its PID. ``token`` goes in
+    the environment."""
 
     def __init__(
         self,
@@ -62,10 +63,12 @@ class StoreProcess:
         token: str | None = None,
         capacity_gb: float = CAPACITY_GB,
         env: dict[str, str] | None = None,
+        port: int = 0,
     ) -> None:
         self.token = token
+        self.output = ""  # what it printed after its first line, once stopped
         self.capacity_bytes = int(capacity_gb * (1 << 30))
-        argv = [*server_argv(capacity_gb), *args]
+        argv = [*server_argv(capacity_gb, port), *args]
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"store-{time.monotonic_ns()}.log"
         with open(self.log_path, "wb") as log:
@@ -90,6 +93,10 @@ class StoreProcess:
         address = parse_url(self.url)
         self.host, self.port = address.host, address.port
 
+    @property
+    def shm_url(self) -> str:
+        return self.url.replace("tcp://", "shm://")
+
     def log(self) -> str:
         return self.log_path.read_text()
 
@@ -98,7 +105,7 @@ class StoreProcess:
         if self.proc.poll() is None:
             os.kill(self.pid, signal.SIGTERM)
         try:
-            self.proc.communicate(timeout=20)
+            self.output, _ = self.proc.communicate(timeout=20)
         except subprocess.TimeoutExpired:
             self.kill()
         return self.proc.returncode
@@ -109,8 +116,8 @@ class StoreProcess:
         self.proc.wait(10)
 
 
-def server_argv(capacity_gb: float = CAPACITY_GB) -> list[str]:
-    return [sys.executable, "-m", "banaserve.kvstore.server", "--port", "0",
+def server_argv(capacity_gb: float = CAPACITY_GB, port: int = 0) -> list[str]:
+    return [sys.executable, "-m", "banaserve.kvstore.server", "--port", str(port),
             "--capacity-gb", str(capacity_gb), "--log-level", "info"]  # fmt: skip
 
 
