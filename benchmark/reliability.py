@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from banaserve.platform.fault_injection import CRASH_ON_TEXT_ENV  # noqa: E402
 from banaserve.utils.processes import ManagedProcess, free_port  # noqa: E402
-from compare import banaserve_env  # noqa: E402
+from compare_systems import banaserve_env  # noqa: E402
 
 PILL = "RELIABILITY-POISON-PILL"
 START_TIMEOUT_S = 900.0

@@ -1,4 +1,4 @@
-"""Stock SGLang prefill/decode disaggregation (PD), as it ships: the baseline BanaServe is
+"""Stock SGLang prefill/decode disaggregation (PD), as it ships: a baseline BanaServe is
 compared against.
 
 ``start_stock_pd`` starts ``num_prefill`` prefill and ``num_decode`` decode servers
@@ -7,9 +7,7 @@ compared against.
 waits for each ``/health``, then starts sglang-router in PD mode
 (``python -m sglang_router.launch_router --pd-disaggregation --prefill URL BOOTSTRAP_PORT
 --decode URL --policy POLICY``) and waits until it answers ``/health`` and lists the model
-on ``/v1/models``. Nothing of BanaServe runs in these processes except the CPU platform
-(``banaserve.platform``, including ``pd_cpu``), which the venv's ``.pth`` file applies to
-every Python process on a machine without an NVIDIA driver.
+on ``/v1/models``.
 
 Router policies (``--policy``, used for prefill and decode alike): ``cache_aware``,
 ``round_robin``, ``power_of_two`` (needs at least 2 workers of each kind, prefill and
@@ -18,7 +16,7 @@ decode), ``random``. ``cache_aware`` takes ``--cache-threshold`` (default 0.3),
 ``router_args``. ``--prefill-policy``/``--decode-policy`` override the policy per role.
 
 Needs Debian ``libibverbs1`` and the pip packages ``mooncake-transfer-engine-non-cuda`` and
-``sglang-router``.
+``sglang-router`` (:func:`missing_prerequisites` says which are missing).
 
 Usage, a quick smoke run: ``python benchmark/stock_pd.py --model /tmp/tiny-llama
 --num-prefill 1 --num-decode 1`` starts it all, sends one request, prints it and stops.
@@ -27,31 +25,28 @@ Usage, a quick smoke run: ``python benchmark/stock_pd.py --model /tmp/tiny-llama
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
+import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "python") not in sys.path:
-    sys.path.insert(0, str(REPO / "python"))
-
-from banaserve.utils.processes import ChildFailed, ManagedProcess, free_port  # noqa: E402
+from sglang_launch import (
+    SERVER_START_TIMEOUT,
+    ServerGroup,
+    free_port,
+    generate,
+    router_base_argv,
+    server_argv,
+    start_router,
+    start_server,
+    wait_servers,
+)
 
 #: Policies ``sglang_router.launch_router --policy`` accepts (``manual`` needs routing keys).
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
-
-#: Server flags for the CPU; ``extra_args`` come after them, so they can override any.
-CPU_SERVER_ARGS = (
-    "--device", "cpu",
-    "--max-total-tokens", "16384",
-    "--sleep-on-idle",
-    "--page-size", "16",
-    "--log-level", "warning",
-)  # fmt: skip
 
 #: Decode servers back up retracted requests in a HiCache host pool sized, by default, from
 #: the host memory left after a 10 GiB reserve: on a 24 GiB machine with other servers up,
@@ -59,74 +54,47 @@ CPU_SERVER_ARGS = (
 #: own default for that pool (0.2 of the device pool), without the auto-sizing.
 CPU_DECODE_ARGS = ("--hicache-ratio", "0.2")
 
-SERVER_START_TIMEOUT = 300.0
-ROUTER_START_TIMEOUT = 120.0
-ROUTER_START_ATTEMPTS = 3
-PROGRESS_EVERY = 10.0
 
-
-class StockPd:
-    """Running stock PD servers and their router. ``url`` is the router's base URL.
-
-    The owner stops it (``stop()`` or ``with``); stopping is idempotent and stops every
-    process by its process group, the router first.
-    """
+class StockPd(ServerGroup):
+    """Running stock PD servers and their router (see :class:`ServerGroup`)."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
+        super().__init__(url)
         self.prefill_urls: list[str] = []
         self.decode_urls: list[str] = []
         #: Bootstrap port of each prefill server, in ``prefill_urls`` order.
         self.bootstrap_ports: list[int] = []
-        self.servers: list[ManagedProcess] = []
-        self.router: ManagedProcess | None = None
-        #: The router's Prometheus metrics (per-worker counters), ``None`` when disabled.
-        self.metrics_url: str | None = None
-
-    @property
-    def processes(self) -> list[ManagedProcess]:
-        return ([self.router] if self.router is not None else []) + self.servers
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.stop()
 
     def __enter__(self) -> StockPd:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+
+def missing_prerequisites() -> str:
+    """What stock PD lacks on this machine, in one line ("" if nothing): Mooncake's engine
+    loads ``libibverbs`` even for TCP, and fails with a long traceback without it."""
+    probe = [sys.executable, "-c", "import mooncake.engine, sglang_router.launch_router"]
+    run = subprocess.run(probe, capture_output=True, text=True, cwd="/")
+    if run.returncode == 0:
+        return ""
+    if "libibverbs" in run.stderr:
+        return "stock PD needs Debian libibverbs1 (sudo apt-get install libibverbs1)"
+    for module, package in (("mooncake", "mooncake-transfer-engine-non-cuda"),
+                            ("sglang_router", "sglang-router")):  # fmt: skip
+        if importlib.util.find_spec(module) is None:
+            return f"stock PD needs {package} (pip install '.[bench]')"
+    return f"stock PD cannot load Mooncake: {run.stderr.strip().splitlines()[-1:]}"
 
 
-def _server_argv(
-    model_path: Path, port: int, mode: str, bootstrap_port: int, extra_args: Sequence[str]
+def pd_server_argv(
+    model_path: str | Path, port: int, mode: str, bootstrap_port: int, flags: Sequence[str]
 ) -> list[str]:
-    return [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", str(model_path),
-        "--host", "127.0.0.1", "--port", str(port),
-        *CPU_SERVER_ARGS,
+    return server_argv(model_path, port, [
         *(CPU_DECODE_ARGS if mode == "decode" else ()),
         "--disaggregation-mode", mode,
         "--disaggregation-transfer-backend", "mooncake_tcp",
         "--disaggregation-bootstrap-port", str(bootstrap_port),
-        *extra_args,
-    ]  # fmt: skip
-
-
-def _env(cores: tuple[int, ...] | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(len(cores)) if cores else env.get("OMP_NUM_THREADS", "1")
-    # The CPU platform sets these itself where there is no NVIDIA driver; harmless otherwise.
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("SGLANG_HOST_IP", "127.0.0.1")
-    return env
-
-
-def _pinned(argv: list[str], cores: tuple[int, ...] | None) -> list[str]:
-    if not cores:
-        return argv
-    return ["taskset", "-c", ",".join(str(core) for core in cores), *argv]
+        *flags,
+    ])  # fmt: skip
 
 
 def start_stock_pd(
@@ -142,18 +110,19 @@ def start_stock_pd(
     router_args: Sequence[str] = (),
     router_cores: tuple[int, ...] | None = None,
     start_timeout: float = SERVER_START_TIMEOUT,
+    decode_args: Sequence[str] = (),
 ) -> StockPd:
     """Start stock SGLang PD on ``model_path`` with its router on ``127.0.0.1:port``.
 
-    ``port`` None: a free port picked when the router starts, after the servers are up (they
-    and Mooncake open ports of their own while starting, so a port picked earlier may be
-    taken by then); the router is then retried on a new port if its port was taken anyway.
+    ``port`` None: a free port picked when the router starts (see
+    :func:`sglang_launch.start_router`).
 
     ``cores``: one tuple per instance, prefill instances first, then decode; an instance runs
     under ``taskset -c`` on its cores with ``OMP_NUM_THREADS`` = their number. ``None`` leaves
     every instance unpinned with ``OMP_NUM_THREADS`` as inherited (1 if unset).
-    ``extra_args`` go to every server, ``router_args`` to the router (e.g.
-    ``("--balance-abs-threshold", "8")``). Logs: ``log_dir/{prefill0,…,decode0,…,router}.log``.
+    ``extra_args`` go to every server, ``decode_args`` to decode servers after them,
+    ``router_args`` to the router (e.g. ``("--balance-abs-threshold", "8")``). Logs:
+    ``log_dir/{prefill0,…,decode0,…,router}.log``.
 
     Blocks until everything serves; raises ``ChildFailed`` (quoting the log) if a process
     dies or times out, after stopping everything it started.
@@ -167,7 +136,6 @@ def start_stock_pd(
             f"cores: {len(cores)} entries for {num_prefill + num_decode} instances "
             "(prefill first, then decode)"
         )
-    model_path = Path(model_path)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     pd = StockPd(f"http://127.0.0.1:{port or 0}")
@@ -175,99 +143,32 @@ def start_stock_pd(
         roles = ["prefill"] * num_prefill + ["decode"] * num_decode
         for index, role in enumerate(roles):
             number = index if role == "prefill" else index - num_prefill
-            name = f"{role}{number}"
             server_port, bootstrap_port = free_port(), free_port()
-            instance_cores = cores[index] if cores is not None else None
-            argv = _server_argv(model_path, server_port, role, bootstrap_port, extra_args)
-            process = ManagedProcess(
-                name, _pinned(argv, instance_cores), log_dir / f"{name}.log",
-                env=_env(instance_cores),
-            )  # fmt: skip
-            pd.servers.append(process)
+            flags = [*extra_args, *(decode_args if role == "decode" else ())]
+            argv = pd_server_argv(model_path, server_port, role, bootstrap_port, flags)
+            start_server(pd, f"{role}{number}", argv, cores[index] if cores else None, log_dir)
             url = f"http://127.0.0.1:{server_port}"
             if role == "prefill":
                 pd.prefill_urls.append(url)
                 pd.bootstrap_ports.append(bootstrap_port)
             else:
                 pd.decode_urls.append(url)
-        # Started together, their start-ups overlap; wait for each in turn.
-        for process, url in zip(pd.servers, pd.prefill_urls + pd.decode_urls, strict=True):
-            took = process.wait_http_ok(f"{url}/health", start_timeout, PROGRESS_EVERY)
-            print(f"[stock_pd] {process.name} healthy at {url} ({took:.0f} s)", file=sys.stderr)
+        wait_servers(pd, pd.prefill_urls + pd.decode_urls, start_timeout)
 
-        for attempt in range(1, ROUTER_START_ATTEMPTS + 1):
-            router_port = port or free_port()
-            pd.url = f"http://127.0.0.1:{router_port}"
-            try:
-                took = _start_router(pd, policy, router_port, router_args, router_cores, log_dir)
-                break
-            except ChildFailed as exc:
-                taken = "Address already in use" in str(exc)
-                if port is not None or not taken or attempt == ROUTER_START_ATTEMPTS:
-                    raise
-                print(f"[stock_pd] router port {router_port} taken; again", file=sys.stderr)
-        _wait_models(pd, ROUTER_START_TIMEOUT)
-        print(f"[stock_pd] router ({policy}) serving at {pd.url} ({took:.0f} s)", file=sys.stderr)
+        def router_argv(router_port: int, metrics_port: int) -> list[str]:
+            argv = [*router_base_argv(router_port, metrics_port),
+                    "--pd-disaggregation", "--policy", policy]  # fmt: skip
+            for url, bootstrap_port in zip(pd.prefill_urls, pd.bootstrap_ports, strict=True):
+                argv += ["--prefill", url, str(bootstrap_port)]
+            for url in pd.decode_urls:
+                argv += ["--decode", url]
+            return argv + list(router_args)
+
+        start_router(pd, port, router_argv, router_cores, log_dir)
         return pd
     except BaseException:
         pd.stop()
         raise
-
-
-def _start_router(
-    pd: StockPd, policy: str, port: int, router_args: Sequence[str],
-    cores: tuple[int, ...] | None, log_dir: Path,
-) -> float:  # fmt: skip
-    """Start the PD router on ``port``; return the seconds until ``/health`` answered."""
-    if pd.router is not None:
-        pd.router.stop()
-    metrics_port = free_port()
-    pd.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    argv = [
-        sys.executable, "-m", "sglang_router.launch_router",
-        "--pd-disaggregation", "--policy", policy,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--worker-startup-check-interval", "1",
-    ]  # fmt: skip
-    for url, bootstrap_port in zip(pd.prefill_urls, pd.bootstrap_ports, strict=True):
-        argv += ["--prefill", url, str(bootstrap_port)]
-    for url in pd.decode_urls:
-        argv += ["--decode", url]
-    argv += list(router_args)
-    pd.router = ManagedProcess(
-        "router", _pinned(argv, cores), log_dir / "router.log", env=_env(cores)
-    )
-    return pd.router.wait_http_ok(f"{pd.url}/health", ROUTER_START_TIMEOUT, PROGRESS_EVERY)
-
-
-def _wait_models(pd: StockPd, timeout: float) -> None:
-    """Wait until the router lists a model: then it has registered its workers."""
-    assert pd.router is not None
-    deadline = time.monotonic() + timeout
-    while True:
-        if not pd.router.alive():
-            raise pd.router.failure(f"exited with code {pd.router.process.returncode}")
-        try:
-            with urllib.request.urlopen(f"{pd.url}/v1/models", timeout=5) as response:
-                if json.load(response).get("data"):
-                    return
-        except (OSError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            raise pd.router.failure(f"lists no model at {pd.url}/v1/models after {timeout:.0f} s")
-        time.sleep(0.5)
-
-
-def generate(url: str, payload: dict, timeout: float = 120.0) -> dict:
-    """POST ``payload`` to ``url/generate``; the decoded JSON answer."""
-    request = urllib.request.Request(
-        f"{url}/generate",
-        data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.load(response)
 
 
 def _parse_cores(text: str | None) -> list[tuple[int, ...]] | None:
@@ -288,6 +189,9 @@ def main() -> None:
     parser.add_argument("--cores", help='per instance, prefill first: "0;1;1" or "0,1;1"')
     parser.add_argument("--serve", action="store_true", help="keep serving until Ctrl-C")
     args = parser.parse_args()
+    missing = missing_prerequisites()
+    if missing:
+        sys.exit(missing)
     port = args.port or None
     with start_stock_pd(
         args.model, args.num_prefill, args.num_decode, args.policy, port, args.log_dir,

@@ -278,6 +278,48 @@ def test_cluster_and_metrics_report_every_instance(cluster: Cluster) -> None:
     assert "banaserve_gateway_handoffs_total" in metrics
 
 
+def settled_store_pages(cluster: Cluster, quiet_s: float = 1.5, timeout: float = 60) -> int:
+    """The store's page count once it stopped changing for ``quiet_s`` (instances write their
+    pages back in the background after they answer)."""
+    deadline = time.monotonic() + timeout
+    last, since = -1, time.monotonic()
+    while True:
+        pages = sum(shard["ram_pages"] for shard in cluster.state()["store"].values())
+        if pages != last:
+            last, since = pages, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return pages
+        assert time.monotonic() < deadline, f"the store kept changing: {pages} pages"
+        time.sleep(0.25)
+
+
+def test_clear_caches_leaves_every_cache_cold(cluster: Cluster) -> None:
+    prompt = long_prompt(seed=404)
+    first = generate(cluster.url, prompt)
+    assert settled_store_pages(cluster) > 0
+    answer = requests.post(f"{cluster.url}/clear_caches", timeout=120)
+    assert answer.status_code == 200, answer.text
+    counts = answer.json()
+    assert counts["instances_flushed"] == 3, counts
+    assert counts["store_pages_dropped"] > 0 and counts["prompt_index_chars_dropped"] >= len(prompt)
+    state = cluster.state()
+    for url, shard in state["store"].items():
+        assert (shard["ram_pages"], shard["ssd_pages"], shard["ram_bytes"]) == (0, 0, 0), url
+    before = {i["name"]: i for i in state["instances"]}
+    again = generate(cluster.url, prompt)
+    assert again["text"] == first["text"] and again["output_ids"] == first["output_ids"]
+    after = cluster.state()
+    # Cold everywhere: the gateway forgot the prompt (a handoff again) and the prefill
+    # instance that took it computed it in full (neither its own cache nor the store had it).
+    assert after["gateway"]["handoffs"] == state["gateway"]["handoffs"] + 1
+    computed = sum(
+        i["computed_prompt_tokens"] - before[i["name"]]["computed_prompt_tokens"]
+        for i in after["instances"]
+        if i["role"] == "prefill"
+    )
+    assert computed >= first["meta_info"]["prompt_tokens"] - 16, computed
+
+
 def test_instances_are_pinned_to_their_own_cores(cluster: Cluster) -> None:
     import psutil
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,7 +18,7 @@ from aiohttp import web
 
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.load_board import LoadBoard
-from banaserve.cluster.placement import Placer
+from banaserve.cluster.placement import NoStorePlacer, Placer
 from banaserve.cluster.prometheus import render_metrics
 from banaserve.cluster.request_shape import (
     CHAT,
@@ -26,10 +27,12 @@ from banaserve.cluster.request_shape import (
     prefill_body,
     shape_request,
 )
-from banaserve.cluster.run import instance_launch_argv
+from banaserve.cluster.run import instance_launch_argv, memory_plan
 from banaserve.cluster.topology import DECODE, PREFILL, InstanceSpec, plan_cores, plan_instances
+from banaserve.kvstore.client import KvStoreError
+from banaserve.launch_server import plan_launch
 from banaserve.router.policies import POLICY_NAMES, make_policy
-from banaserve.server.cli import ROUTER_POLICIES, KvStoreOptions, drop_flags
+from banaserve.server.cli import ROUTER_POLICIES, KvStoreOptions, build_parser, drop_flags
 from banaserve.utils.processes import free_port
 
 
@@ -126,9 +129,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @asynccontextmanager
-async def upstream(handler: Handler) -> AsyncIterator[int]:
+async def upstream(handler: Handler, flush: Handler | None = None) -> AsyncIterator[int]:
     app = web.Application()
     app.router.add_post("/generate", handler)
+    if flush is not None:
+        app.router.add_post("/flush_cache", flush)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -300,6 +305,137 @@ def test_a_stream_that_breaks_ends_with_an_error_event() -> None:
         assert text.rstrip().endswith("data: [DONE]")
 
     asyncio.run(scenario())
+
+
+def test_clear_caches_flushes_every_instance_then_the_store_and_the_index() -> None:
+    flushed: list[str] = []
+    busy: set[str] = set()
+    store = {"pages": 7, "down": False}
+
+    def clear_store() -> int:
+        if store["down"]:
+            raise KvStoreError("kv store shard tcp://h:1 is down")
+        dropped, store["pages"] = store["pages"], 0
+        return dropped
+
+    def flush(name: str) -> Handler:
+        async def handler(_: web.Request) -> web.Response:
+            if name in busy:  # what SGLang answers while it serves requests
+                return web.Response(status=400, text="Cache not flushed: running requests")
+            flushed.append(name)
+            return web.Response(text="Cache flushed.")
+
+        return handler
+
+    async def clear(url: str) -> tuple[int, Any]:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/clear_caches") as response:
+                return response.status, await response.json()
+
+    async def scenario() -> None:
+        async with (
+            upstream(answer_ok, flush("p")) as p,
+            upstream(answer_ok, flush("d")) as d,
+        ):
+            specs = [InstanceSpec("prefill-0", PREFILL, p), InstanceSpec("decode-0", DECODE, d)]
+            async with gateway_for(specs, clear_store=clear_store) as url:
+                assert (await post(f"{url}/generate", LONG))[0] == 200  # indexed: 500 chars
+                status, counts = await clear(url)
+                assert status == 200, counts
+                assert counts == {"instances_flushed": 2, "store_pages_dropped": 7,
+                                  "prompt_index_chars_dropped": len(LONG["text"])}  # fmt: skip
+                assert sorted(flushed) == ["d", "p"]
+                assert (await clear(url))[1]["prompt_index_chars_dropped"] == 0
+                # The index was forgotten: the same long prompt is handed off again.
+                status, text = await post(f"{url}/generate", LONG)
+                assert status == 200
+                busy.add("d")
+                store["down"] = True
+                status, error = await clear(url)
+                assert status == 500
+                assert "flush failed on" in error["message"] and str(d) in error["message"]
+                assert "the KV store was not cleared: kv store shard" in error["message"]
+                assert "'prompt_index_chars_dropped': 500" in error["message"]  # done anyway
+            async with gateway_for(specs) as url:  # no store: nothing to drop there
+                busy.clear()
+                assert (await clear(url)) == (200, {"instances_flushed": 2,
+                    "store_pages_dropped": 0, "prompt_index_chars_dropped": 0})  # fmt: skip
+
+    asyncio.run(scenario())
+
+
+def test_without_a_store_every_request_runs_whole_on_the_least_loaded_instance() -> None:
+    seen: list[tuple[int, int]] = []  # (port, max_new_tokens) per request an instance got
+    both_arrived = asyncio.Event()
+
+    def recording(port_of: Callable[[], int]) -> Handler:
+        async def handler(request: web.Request) -> web.Response:
+            body = await request.json()
+            seen.append((port_of(), body["sampling_params"]["max_new_tokens"]))
+            if len(seen) == 2:
+                both_arrived.set()
+            # Busy until both requests were placed, so the second sees the first's load.
+            await asyncio.wait_for(both_arrived.wait(), timeout=30)
+            return web.json_response({"text": "ok"})
+
+        return handler
+
+    async def scenario() -> None:
+        ports: dict[str, int] = {}
+        async with (
+            upstream(recording(lambda: ports["p"])) as ports["p"],
+            upstream(recording(lambda: ports["d"])) as ports["d"],
+        ):
+            specs = [InstanceSpec("prefill-0", PREFILL, ports["p"]),
+                     InstanceSpec("decode-0", DECODE, ports["d"])]  # fmt: skip
+            board = LoadBoard(specs)
+            gateway = Gateway(
+                board, make_policy("load_aware", PREFILL), make_policy("load_aware", DECODE),
+                placer=NoStorePlacer(),
+            )  # fmt: skip
+            runner = web.AppRunner(gateway.app())
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            try:
+                long_output = {"text": LONG["text"], "sampling_params": {"max_new_tokens": 99}}
+                results = await asyncio.gather(
+                    *(post(f"http://127.0.0.1:{port}/generate", long_output) for _ in range(2))
+                )
+                assert [status for status, _ in results] == [200, 200]
+                state = gateway.cluster_state()
+            finally:
+                await runner.cleanup()
+        # No prefill step (max_new_tokens 1), and the two concurrent requests went to both
+        # instances, the prefill one included, though each generates 99 tokens.
+        assert sorted(seen) == sorted([(ports["p"], 99), (ports["d"], 99)])
+        assert state["handoffs"] is False and state["gateway"]["handoffs"] == 0
+        assert state["gateway"]["direct"] == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_cluster_without_a_store_plans_no_store(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BANASERVE_PLATFORM", "cpu")
+    argv = ["--model-path", str(tiny_model), "--num-prefill", "1", "--num-decode", "2",
+            "--kv-store", "none", "--max-total-tokens", "4096"]  # fmt: skip
+    plan = plan_launch(argv)
+    assert plan.cluster is not None and plan.kv_store is None  # not even an embedded one
+    assert "--page-size" not in plan.sglang_argv  # the store's page size is not needed
+    instance = instance_launch_argv(argv, plan.kv_store, [], str(tiny_model), 3, 0.3)
+    assert not any(a.startswith("--kv-store") for a in instance) and "none" not in instance
+    assert float(instance[instance.index("--kv-pool-memory-fraction") + 1]) == pytest.approx(0.1)
+    alone = plan_launch(instance)  # what each instance makes of it: no store flags at all
+    assert alone.cluster is None and alone.kv_store is None
+    assert not any("hicache" in a or "linker" in a for a in alone.sglang_argv)
+    memory = memory_plan(build_parser().parse_args(argv), plan.kv_store, str(tiny_model), 3)
+    assert memory is not None and memory.store_bytes == 0 and memory.host_pool_bytes == 0
+    # One instance: --kv-store none is no --kv-store.
+    single = ["--model-path", str(tiny_model), "--max-total-tokens", "4096"]
+    none = plan_launch([*single, "--kv-store", "none"])
+    assert none.kv_store is None and none.sglang_argv == plan_launch(single).sglang_argv
 
 
 def test_free_ports_are_outside_the_ephemeral_range() -> None:

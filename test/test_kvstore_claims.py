@@ -138,6 +138,18 @@ def test_claim_table_wait_wakes_on_store_and_times_out() -> None:
     asyncio.run(scenario())
 
 
+def test_claim_table_clear_ends_every_claim() -> None:
+    table = ClaimTable()
+    a, b, conn = b"a" * 32, b"b" * 32, object()
+    assert table.claim(a, "A", conn, 60.0) and table.claim(b, "B", "other", 60.0)
+    claim = table.holder(a)
+    assert claim is not None
+    assert table.clear() == 2 and len(table) == 0 and claim.done
+    assert table.drop_holder(conn) == 0  # nothing left tied to the connection
+    assert table.claim(a, "C", conn, 1.0)  # free again
+    assert table.clear() == 1 and table.clear() == 0
+
+
 # -- one server ---------------------------------------------------------------------------------
 
 
@@ -164,6 +176,21 @@ def test_waiter_gets_the_pages_the_claimant_puts(server: InProcessServer, scheme
     stats = server_stats(server.url)
     assert stats["coalesced"] == 3 and stats["claim_waits"] == 1
     assert stats["wait_timeouts"] == 0 and stats["claims_held"] == 0
+
+
+def test_clear_ends_the_claims_and_wakes_their_waiters(server: InProcessServer) -> None:
+    keys, stored = keys_for("clear claimed", 2), keys_for("clear stored", 3)
+    with KvStoreClient(server.url, token=TOKEN) as a, KvStoreClient(server.url, token=TOKEN) as b:
+        assert a.put(stored, pages(3, PAGE, seed=2)) == [True] * 3
+        assert a.lookup(keys, owner="A") == 0  # claims both
+        waiter = Background(lambda: b.lookup(keys, owner="B", wait_s=20, claim=False))
+        wait_until(waiting(server.url))
+        assert a.clear() == 3  # the pages; and A's claims end, so B stops waiting
+        assert waiter.result() == 0 and waiter.elapsed < 10
+        assert a.exists(stored) == [False] * 3
+    stats = server_stats(server.url)
+    assert stats["cleared"] == 3 and stats["claims_cleared"] == 2
+    assert stats["claims_held"] == 0 and stats["wait_timeouts"] == 0
 
 
 def test_wait_times_out_and_the_waiter_takes_over(server: InProcessServer) -> None:

@@ -446,3 +446,16 @@ def test_lookup_and_release_round_trip() -> None:
         decode_frames(uneven, replies=True)
     with pytest.raises(ProtocolError, match="carries no payload"):
         decode_frames(encode_frame(Op.LOOKUP, 1, lookup, b"x"))
+
+
+def test_clear_round_trip_and_bad_frames() -> None:
+    (request,) = decode_frames(encode_frame(Op.CLEAR, 3, {}))
+    assert request.op is Op.CLEAR and request.control == {}
+    (reply,) = decode_frames(encode_frame(Op.CLEAR, 3, {"dropped": 12}, reply=True), replies=True)
+    assert reply.op is Op.CLEAR and reply.control == {"dropped": 12}
+    with pytest.raises(ProtocolError, match="carries no payload"):
+        decode_frames(encode_frame(Op.CLEAR, 3, {}, b"x"))
+    for bad, message in [({}, "missing field 'dropped'"), ({"dropped": -1}, r"in \[0, "),
+                         ({"dropped": True}, "must be int, got bool")]:  # fmt: skip
+        with pytest.raises(ProtocolError, match=message):
+            decode_frames(encode_frame(Op.CLEAR, 3, bad, reply=True), replies=True)

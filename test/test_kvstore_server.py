@@ -22,7 +22,12 @@ import torch
 
 from banaserve.kvstore import hostile
 from banaserve.kvstore import server as server_module
-from banaserve.kvstore.client import KvStoreAuthError, KvStoreClient, KvStoreRemoteError
+from banaserve.kvstore.client import (
+    KvStoreAuthError,
+    KvStoreClient,
+    KvStoreError,
+    KvStoreRemoteError,
+)
 from banaserve.kvstore.framing import Frame, FrameDecoder
 from banaserve.kvstore.keys import KvLayout
 from banaserve.kvstore.protocol import HEADER, MAGIC, PROTOCOL_VERSION, Op, encode_frame
@@ -413,6 +418,57 @@ def test_wrong_or_missing_token_is_refused(store: StoreProcess, token: str | Non
         assert (
             str(info.value) == f"kv store at {url}: authentication failed: wrong or missing token"
         )
+
+
+def test_clear_drops_every_page_for_the_shared_token_only(tmp_path: Path) -> None:
+    """CLEAR on a real server process: every page and claim goes, whoever stored it, over
+    tcp:// or shm://; a tenant token is refused and drops nothing. A second shard counts."""
+    tenant_token = "alpha-token-0123456789"
+    tenants = tmp_path / "tenants"
+    tenants.write_text(f"alpha:{tenant_token}\n")
+    tenants.chmod(0o600)
+    first = StoreProcess(tmp_path, "--tenant-tokens", str(tenants))
+    second = StoreProcess(tmp_path)
+    keys, data = keys_for("clear", 8), pages(8)
+    try:
+        with (
+            KvStoreClient([first.url, second.url], token=TOKEN) as shared,
+            KvStoreClient(first.shm_url, token=TOKEN) as over_shm,
+            KvStoreClient(first.url, token=tenant_token) as tenant,
+        ):
+            assert shared.put(keys[:6], data[:6]) == [True] * 6  # over both shards
+            assert tenant.put(keys[6:], data[6:]) == [True] * 2
+            assert over_shm.lookup(keys_for("clear claimed", 2), owner="o") == 0  # 2 claims
+            with pytest.raises(KvStoreAuthError, match="CLEAR needs the shared token"):
+                tenant.clear()
+            assert tenant.exists(keys[6:]) == [True, True]  # refused: nothing dropped
+            stats = shared.stats()
+            assert sum(s["ram_pages"] for s in stats.values()) == 8
+            assert stats[first.url]["server"]["claims_held"] == 2
+            assert over_shm.clear() == stats[first.url]["ram_pages"]  # one shard: its pages
+            assert shared.clear() == stats[second.url]["ram_pages"]  # both: the rest
+            for url, after in shared.stats().items():
+                assert (after["ram_pages"], after["ssd_pages"], after["ram_bytes"]) == (0, 0, 0)
+                assert after["server"]["claims_held"] == 0, url
+            assert shared.stats()[first.url]["server"]["claims_cleared"] == 2
+            assert shared.exists(keys[:6]) == [False] * 6
+            assert tenant.exists(keys[6:]) == [False] * 2
+            assert shared.put(keys[:1], data[:1]) == [True]  # the store serves on
+            out = [np.zeros(PAGE, np.uint8)]
+            assert shared.get(keys[:1], out) == [True]
+            np.testing.assert_array_equal(out[0], data[0])
+        with KvStoreClient(first.url, token=TOKEN) as alone:
+            assert alone.put(keys[:2], data[:2]) == [True] * 2
+        second.stop()
+        with KvStoreClient([first.url, second.url], token=TOKEN, timeout=2.0) as half:
+            with pytest.raises(KvStoreError, match=f"could not clear .*:{second.port} "):
+                half.clear()  # a shard that is down still holds its pages: an error
+        with KvStoreClient(first.url, token=TOKEN) as alone:
+            assert alone.exists(keys[:2]) == [False] * 2  # the live one was cleared all the same
+    finally:
+        for process in (first, second):
+            if process.proc.poll() is None:
+                process.stop()
 
 
 # -- in-process server: timeouts and store failures -------------------------------------------

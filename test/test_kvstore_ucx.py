@@ -298,3 +298,31 @@ def test_stalled_frame_gives_its_budget_back_over_ucx() -> None:
         client.close()
         ucx.close()
         store.close()
+
+
+def test_clear_over_ucx() -> None:
+    """CLEAR over ucx:// drops every page for the shared token and is refused to a tenant."""
+    from banaserve.kvstore.server import ServerConfig
+    from banaserve.kvstore.storage import TieredStore
+    from banaserve.kvstore.ucx_server import start_ucx_listener
+
+    tokens = {"alpha": "alpha-token-0123456789"}
+    store = TieredStore(64 << 20)
+    ucx = start_ucx_listener(store, ServerConfig(token=TOKEN, tenant_tokens=tokens), "127.0.0.1", 0)
+    keys, pages = _pages(3)
+    try:
+        with (
+            KvStoreClient(ucx.url, token=TOKEN, timeout=5.0) as shared,
+            KvStoreClient(ucx.url, token=tokens["alpha"], timeout=5.0) as tenant,
+        ):
+            assert shared.put(keys[:2], pages[:2]) == [True, True]
+            assert tenant.put(keys[2:], pages[2:]) == [True]
+            with pytest.raises(KvStoreAuthError, match="CLEAR needs the shared token"):
+                tenant.clear()
+            assert tenant.exists(keys[2:]) == [True]
+            assert shared.clear() == 3
+            assert store.stats().ram_pages == 0
+            assert shared.exists(keys[:2]) == [False, False] and tenant.exists(keys[2:]) == [False]
+    finally:
+        ucx.close()
+        store.close()

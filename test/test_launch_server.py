@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,8 @@ import pytest
 
 from banaserve.launch_server import plan_launch
 from banaserve.server import kv_pool_sizing
+from banaserve.server.cli import CPU_DEFAULT_DTYPE, build_parser
+from banaserve.server.memory_plan import weights_bytes
 
 
 def test_unknown_flag_fails_with_usage() -> None:
@@ -50,6 +54,51 @@ def test_cpu_defaults_added_and_user_flags_kept(tiny_model: Path, monkeypatch) -
     assert argv.count("--device") == 1 and argv.count("--max-total-tokens") == 1
     assert "--kv-pool-memory-fraction" not in argv  # BanaServe's own flags stay with us
     assert plan.served_names[0] == "mine"
+
+
+def test_float32_by_default_on_the_cpu(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from banaserve.cluster import run
+
+    monkeypatch.setenv("BANASERVE_PLATFORM", "cpu")
+    model = tmp_path / "tiny-bf16"  # a checkpoint in bfloat16: what "auto" would run it in
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16",
+                                                   "dtype": "bfloat16"}))  # fmt: skip
+    per_token = kv_pool_sizing.kv_bytes_per_token(model, CPU_DEFAULT_DTYPE)
+    assert CPU_DEFAULT_DTYPE == "float32"
+    assert per_token == 2 * kv_pool_sizing.kv_bytes_per_token(model)  # "auto": bfloat16
+    for module in (kv_pool_sizing, run):  # 20,000 float32 tokens in half of it
+        monkeypatch.setattr(module, "available_memory_bytes", lambda: 40_000 * per_token)
+
+    def flag(argv: list[str], name: str) -> str:
+        assert argv.count(name) == 1, argv
+        return argv[argv.index(name) + 1]
+
+    base = ["--model-path", str(model), "--kv-pool-memory-fraction", "0.5"]
+    plan = plan_launch(base)
+    assert flag(plan.sglang_argv, "--dtype") == "float32"
+    assert "dtype float32 (the CPU default; --dtype to change)" in plan.notes
+    assert flag(plan.sglang_argv, "--max-total-tokens") == "20000"  # sized for float32
+    plan = plan_launch([*base, "--dtype", "bfloat16"])
+    assert flag(plan.sglang_argv, "--dtype") == "bfloat16"
+    assert flag(plan.sglang_argv, "--max-total-tokens") == "40000"
+    assert not any("dtype" in note for note in plan.notes)
+    assert "--dtype" not in plan_launch([*base, "--no-cpu-defaults"]).sglang_argv
+    # A cluster: each instance's own launcher adds it, and the memory plan sizes for it.
+    cluster = [*base, "--num-prefill", "1", "--num-decode", "1", "--kv-store-capacity-gb", "1"]
+    plan = plan_launch(cluster)
+    assert "dtype float32 (the CPU default; --dtype to change)" in plan.notes
+    assert plan.kv_store is not None
+    instance = run.instance_launch_argv(cluster, plan.kv_store, ["shm://h:1"], str(model), 2, 0.5)
+    argv = plan_launch(instance).sglang_argv
+    assert flag(argv, "--dtype") == "float32"
+    memory = run.memory_plan(build_parser().parse_args(cluster), plan.kv_store, str(model), 2)
+    assert memory is not None
+    assert memory.kv_pool_bytes == int(flag(argv, "--max-total-tokens")) * per_token
+    assert memory.weights_bytes == weights_bytes(model, "float32") == 2 * weights_bytes(model)
 
 
 def test_no_cpu_defaults_on_gpu(tiny_model: Path, monkeypatch) -> None:  # noqa: ANN001

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from banaserve.cluster.placement import Placer, PromptIndex
+from banaserve.cluster.placement import NoStorePlacer, Placement, Placer, PromptIndex
 from banaserve.cluster.request_shape import GENERATE, RequestShape
 
 SYSTEM = "You are a careful assistant who answers in one word. " * 40  # about 2,100 chars
@@ -70,3 +70,27 @@ def test_a_direct_request_follows_the_pending_handoff_of_its_prefix() -> None:
     assert placer.place(shape(SYSTEM[:200] + "x" * 2000)).follows is None
     placer.prefilled(first)
     assert placer.place(shape(SYSTEM + "Name a colour.")).follows is None
+
+
+def test_reset_forgets_every_prompt_and_pending_handoff() -> None:
+    placer = Placer(handoff_min_tokens=256)
+    first = SYSTEM + "What is 2+2?"
+    assert placer.place(shape(first)).handoff
+    assert placer.reset() == len(first) and placer.index.size_chars == 0
+    # Cold again: the same prompt is handed off again, and nothing follows the old handoff.
+    again = placer.place(shape(SYSTEM + "Name a colour."))
+    assert again.handoff and again.follows is None
+    placer.prefilled(first)  # the old handoff's prefill step ends after the reset: no error
+    assert placer.place(shape(SYSTEM + "Why?")).follows == SYSTEM + "Name a colour."
+    assert placer.reset() > 0 and placer.reset() == 0
+
+
+def test_without_a_store_nothing_is_handed_off() -> None:
+    placer = NoStorePlacer(handoff_min_tokens=0, in_place_max_new_tokens=0)
+    assert Placer.hands_off and not placer.hands_off
+    for max_new_tokens in (None, 0, 1, 5000):
+        long = shape(SYSTEM + "What is 2+2?", max_new_tokens)
+        placement = placer.place(long)
+        # Whole on any instance, prefill ones too: the least loaded of all takes it.
+        assert placement == Placement(False, long.prompt_tokens, True, None)
+    assert placer.index.size_chars == 0 and placer.reset() == 0  # no index to keep

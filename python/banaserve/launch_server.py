@@ -1,11 +1,11 @@
 """``python -m banaserve.launch_server [SGLang server flags] [BanaServe flags]``.
 
 With one instance this is an SGLang server with BanaServe's CPU platform and defaults that
-fit the machine: on a host with no NVIDIA driver it adds ``--device cpu``, ``--sleep-on-idle``
-and a KV pool sized from free memory; everywhere it enables ``/metrics``, serves
-SmolLM2-135M-Instruct when no model is given, and checks every generation request before
-SGLang sees it (``banaserve.server.request_guard``: 4xx for bodies out of bounds, token ids
-out of the vocabulary, a model it does not serve).
+fit the machine: on a host with no NVIDIA driver it adds ``--device cpu``, ``--sleep-on-idle``,
+``--dtype float32`` (for "auto") and a KV pool sized from free memory; everywhere it enables
+``/metrics``, serves SmolLM2-135M-Instruct when no model is given, and checks every generation
+request before SGLang sees it (``banaserve.server.request_guard``: 4xx for bodies out of
+bounds, token ids out of the vocabulary, a model it does not serve).
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from pathlib import Path
 
 from banaserve.platform import cpu_platform_wanted, install
 from banaserve.server.cli import (
+    KV_STORE_EMBEDDED,
     ClusterOptions,
     KvStoreOptions,
     LaunchConfig,
     build_parser,
+    cpu_dtype,
     request_limits_from_args,
     split_banaserve_args,
 )
@@ -49,7 +51,7 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
     try:
         cluster = ClusterOptions.from_args(ours)
         if cluster is not None and ours.kv_store is None:
-            ours.kv_store = "embedded"  # a cluster always has a store: its own by default
+            ours.kv_store = KV_STORE_EMBEDDED  # its own store, unless told --kv-store none
         kv_store = KvStoreOptions.from_args(ours)
         request_limits = request_limits_from_args(ours)
     except ValueError as exc:
@@ -83,13 +85,19 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             sglang_argv += ["--device", "cpu"]
         if not args.sleep_on_idle:
             sglang_argv.append("--sleep-on-idle")
+        dtype = cpu_dtype(args.dtype)
+        if dtype != args.dtype:
+            # A cluster's instances add it too (their argv is the user's), and its memory
+            # plan sizes for it (cluster.run.memory_plan): every side agrees on the pools.
+            sglang_argv += ["--dtype", dtype]
+            notes.append(f"dtype {dtype} (the CPU default; --dtype to change)")
         config = Path(model_path, "config.json")
         # A cluster's instances size their own shares (see the cluster's memory plan).
         if cluster is None and args.max_total_tokens is None and config.is_file():
             uses_hicache = kv_store is not None and kv_store.mode == "hicache"
             ratio = host_pool_ratio(uses_hicache, args.hicache_ratio, args.hicache_size)
             size = size_kv_pool(
-                Path(model_path), ours.kv_pool_memory_fraction, args.dtype, host_ratio=ratio
+                Path(model_path), ours.kv_pool_memory_fraction, dtype, host_ratio=ratio
             )
             sglang_argv += ["--max-total-tokens", str(size.tokens)]
             notes.append(
@@ -143,7 +151,7 @@ def run_cluster_or_exit(argv: list[str], plan: LaunchConfig) -> None:
     from banaserve.server.memory_plan import MemoryPlanError
     from banaserve.utils.processes import ChildFailed
 
-    assert plan.cluster is not None and plan.kv_store is not None
+    assert plan.cluster is not None  # plan.kv_store is None with --kv-store none
     logging.getLogger("banaserve.cluster").handlers = logger.handlers
     logging.getLogger("banaserve.cluster").setLevel(logging.INFO)
     logging.getLogger("banaserve.cluster").propagate = False

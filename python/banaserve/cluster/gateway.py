@@ -39,6 +39,8 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from banaserve.cluster import cache_admin
+from banaserve.cluster.cache_admin import ClearStore
 from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
 from banaserve.cluster.http_errors import error_response, unavailable
 from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
@@ -100,6 +102,7 @@ class Gateway:
         extra_info: Callable[[], Awaitable[dict[str, Any]]] | None = None,
         deaths: InstanceDeaths | None = None,
         guard: PoisonGuard | None = None,
+        clear_store: ClearStore | None = None,
     ) -> None:
         self.board = board
         self.prefill_policy = prefill_policy
@@ -108,6 +111,7 @@ class Gateway:
         self.placer = placer if placer is not None else Placer()
         self._prefilling: dict[str, asyncio.Event] = {}  # by prompt, handoffs in prefill
         self.extra_info = extra_info
+        self.clear_store = clear_store  # None: the cluster has no store
         self.counters = GatewayCounters()
         self.failover = Failover(board, self.counters, deaths, guard)
         self.session: aiohttp.ClientSession | None = None
@@ -127,6 +131,7 @@ class Gateway:
         app.router.add_get("/cluster", self.handle_cluster)
         app.router.add_post("/flush_cache", self.handle_flush_cache)
         app.router.add_get("/flush_cache", self.handle_flush_cache)
+        app.router.add_post("/clear_caches", self.handle_clear_caches)
         app.on_startup.append(self._open_session)
         app.on_cleanup.append(self._close_session)
         return app
@@ -396,20 +401,16 @@ class Gateway:
     async def handle_flush_cache(self, request: web.Request) -> web.Response:
         """Flush every instance's local caches (the shared store keeps its pages)."""
         assert self.session is not None
+        urls = [load.url for load in self._any_healthy()]
+        return await cache_admin.handle_flush_cache(self.session, urls, request.method)
 
-        async def flush(url: str) -> int:
-            try:
-                async with self.session.request(request.method, url + "/flush_cache") as r:
-                    return r.status
-            except (aiohttp.ClientError, OSError):
-                return 503
-
-        loads = self._any_healthy()
-        statuses = await asyncio.gather(*(flush(load.url) for load in loads))
-        failed = [load.url for load, s in zip(loads, statuses, strict=True) if s != 200]
-        if failed:
-            return error_response(500, f"flush failed on {failed}", "InternalServerError")
-        return web.Response(text="Cache flushed on every instance.\n")
+    async def handle_clear_caches(self, _: web.Request) -> web.Response:
+        """Every cache of the cluster cleared: see :mod:`banaserve.cluster.cache_admin`."""
+        assert self.session is not None
+        urls = [load.url for load in self._any_healthy()]
+        return await cache_admin.handle_clear_caches(
+            self.session, urls, self.placer, self.clear_store
+        )
 
     def cluster_state(self) -> dict[str, Any]:
         instances = []
@@ -427,6 +428,7 @@ class Gateway:
         counters = self.counters
         return {
             "policy": {"prefill": self.prefill_policy.name, "decode": self.decode_policy.name},
+            "handoffs": self.placer.hands_off,  # False without a store: requests run whole
             "handoff_min_tokens": self.placer.handoff_min_tokens,
             "in_place_max_new_tokens": self.placer.in_place_max_new_tokens,
             "gateway": {

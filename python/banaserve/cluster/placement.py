@@ -22,6 +22,9 @@ request of the burst loads it, instead of each instance computing it for the req
 admitted meanwhile (the store's claims would make them wait too, but only once their own
 instance looks the pages up). The index may be wrong (the store evicted a page, an instance
 failed): then the instance computes more itself, slower but never wrong.
+
+A cluster without a store (``--kv-store none``) cannot hand KV over at all:
+:class:`NoStorePlacer` runs every request whole on one instance.
 """
 
 from __future__ import annotations
@@ -82,6 +85,12 @@ class PromptIndex:
     def size_chars(self) -> int:
         return self._tree.size
 
+    def clear(self) -> int:
+        """Forget every prompt (the cluster's caches were cleared); the characters dropped."""
+        dropped = self._tree.size
+        self._tree = ApproxRadixTree()
+        return dropped
+
 
 class Placer:
     """Decides :class:`Placement` per request and records the prompt as computed.
@@ -89,6 +98,9 @@ class Placer:
     A handoff is *pending* from :meth:`place` until the gateway calls :meth:`prefilled`
     with its prompt (whether the prefill step succeeded or not). Not locked: one event loop.
     """
+
+    #: Whether this placer ever hands a request off (False: :class:`NoStorePlacer`).
+    hands_off = True
 
     def __init__(
         self,
@@ -120,11 +132,19 @@ class Placer:
             return Placement(handoff=True, uncached_tokens=uncached, any_role=short)
         return Placement(False, uncached, short, self._followed(shape))
 
+    def reset(self) -> int:
+        """Forget every prompt and pending handoff (the cluster's caches were cleared); the
+        index characters dropped. A handoff still in its prefill step may end after this:
+        :meth:`prefilled` then finds nothing to end, and requests no longer follow it."""
+        self._pending.clear()
+        return self.index.clear()
+
     def prefilled(self, prompt: str) -> None:
         """The prefill step of a handoff placed with ``prompt`` has ended."""
-        self._pending[prompt] -= 1
-        if self._pending[prompt] <= 0:
-            del self._pending[prompt]
+        if prompt in self._pending:  # not if a reset came in between
+            self._pending[prompt] -= 1
+            if self._pending[prompt] <= 0:
+                del self._pending[prompt]
 
     def _followed(self, shape: RequestShape) -> str | None:
         """The pending handoff whose prompt shares the longest prefix with this one, if that
@@ -138,3 +158,16 @@ class Placer:
                 best, best_len = prompt, shared
         shared_tokens = shape.prompt_tokens * best_len / len(shape.prompt)
         return best if best_len and shared_tokens >= max(1, self.handoff_min_tokens) else None
+
+
+class NoStorePlacer(Placer):
+    """Placement for a cluster without a KV store (``--kv-store none``): no KV can move from
+    one instance to another, so nothing is handed off and every request runs whole on the
+    least loaded instance of either role. Its whole prompt counts as uncached: the gateway
+    cannot tell which instance's own cache holds a prefix, and no other instance can load it.
+    No index is kept and no request follows another."""
+
+    hands_off = False
+
+    def place(self, shape: RequestShape) -> Placement:
+        return Placement(handoff=False, uncached_tokens=shape.prompt_tokens, any_role=True)

@@ -1,9 +1,10 @@
 """``launch_server --num-prefill P --num-decode D``: store, instances and gateway, in order.
 
 Start-up: the reaper (which cleans up if the launcher is killed), the embedded store (unless
-``--kv-store`` names shards), then every instance at once (progress every few seconds; one
-that exits or is not ready in time fails the start with its last log lines), then the
-gateway on ``--host``/``--port``. Ctrl-C or SIGTERM stops the gateway and every child, and
+``--kv-store`` names shards, or is ``none``: then the instances get no store and the gateway
+hands nothing off), then every instance at once (progress every few seconds; one that exits
+or is not ready in time fails the start with its last log lines), then the gateway on
+``--host``/``--port``. Ctrl-C or SIGTERM stops the gateway and every child, and
 removes the shared-memory files the children left. A child that dies later is reported with
 its last log lines and restarted by :mod:`banaserve.cluster.supervisor`; the others keep
 serving meanwhile.
@@ -26,7 +27,7 @@ from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.intake import Intake, load_tokenizer, model_vocab_size
 from banaserve.cluster.leftovers import LeftoverLedger, clean_up
 from banaserve.cluster.load_board import LoadBoard, poll_forever
-from banaserve.cluster.placement import Placer
+from banaserve.cluster.placement import NoStorePlacer, Placer
 from banaserve.cluster.processes import Child, ClusterProcesses, default_log_dir
 from banaserve.cluster.reaper import Reaper
 from banaserve.cluster.supervisor import Supervisor
@@ -37,6 +38,7 @@ from banaserve.server.cli import (
     CLUSTER_VALUE_FLAGS,
     ClusterOptions,
     KvStoreOptions,
+    cpu_dtype,
     drop_flags,
 )
 from banaserve.server.kv_pool_sizing import available_memory_bytes, size_kv_pool
@@ -53,59 +55,65 @@ GATEWAY_VALUE_FLAGS = ("--host", "--port")
 
 
 def instance_launch_argv(
-    argv: list[str], store: KvStoreOptions, urls: list[str], model_path: str, instances: int,
-    kv_pool_memory_fraction: float,
+    argv: list[str], store: KvStoreOptions | None, urls: list[str], model_path: str,
+    instances: int, kv_pool_memory_fraction: float,
 ) -> list[str]:  # fmt: skip
     """The user's argv for one instance: without cluster, gateway and store flags, attached to
-    the cluster's store, with a share of the KV pool memory."""
+    the cluster's store (none with ``store`` None), with a share of the KV pool memory."""
     out = drop_flags(
         argv, CLUSTER_VALUE_FLAGS + STORE_VALUE_FLAGS + GATEWAY_VALUE_FLAGS, CLUSTER_SWITCHES
     )
     if not any(a.split("=", 1)[0] == "--model-path" for a in out):
         out += ["--model-path", model_path]
-    out += [
-        "--kv-store", ",".join(urls),
-        "--kv-store-replication", str(store.replication),
-        "--kv-store-tenant", store.tenant,
-        "--kv-store-mode", store.mode,
-        "--kv-store-coalesce-wait-s", str(store.coalesce_wait_s),
-        "--kv-pool-memory-fraction", str(kv_pool_memory_fraction / instances),
-    ]  # fmt: skip
+    if store is not None:
+        out += [
+            "--kv-store", ",".join(urls),
+            "--kv-store-replication", str(store.replication),
+            "--kv-store-tenant", store.tenant,
+            "--kv-store-mode", store.mode,
+            "--kv-store-coalesce-wait-s", str(store.coalesce_wait_s),
+        ]  # fmt: skip
+    out += ["--kv-pool-memory-fraction", str(kv_pool_memory_fraction / instances)]
     return out
 
 
 def memory_plan(
-    args: argparse.Namespace, store: KvStoreOptions, model_path: str, instances: int
+    args: argparse.Namespace, store: KvStoreOptions | None, model_path: str, instances: int
 ) -> MemoryPlan | None:
     """The cluster's host-memory plan on the CPU engine; None where pools are device memory,
-    the model is not a local folder, or the user turned BanaServe's CPU defaults off."""
+    the model is not a local folder, or the user turned BanaServe's CPU defaults off. Sized
+    for the dtype the instances' own CPU defaults give them (``cpu_dtype``), so that the KV
+    pools planned here are the ones they allocate."""
     if not cpu_platform_wanted() or args.no_cpu_defaults:
         return None
     model_dir = Path(model_path)
     if not (model_dir / "config.json").is_file():
         return None
     available = available_memory_bytes()
-    uses_hicache = store.mode == "hicache"  # the linker loads into the KV pool: no host pool
+    dtype = cpu_dtype(args.dtype)
+    # The linker loads into the KV pool: no host pool; nor is there one without a store.
+    uses_hicache = store is not None and store.mode == "hicache"
     ratio = host_pool_ratio(uses_hicache, args.hicache_ratio, args.hicache_size)
     tokens = (
         args.max_total_tokens
         or size_kv_pool(
-            model_dir, args.kv_pool_memory_fraction / instances, args.dtype, available, ratio
+            model_dir, args.kv_pool_memory_fraction / instances, dtype, available, ratio
         ).tokens
     )
     return plan_memory(
-        model_dir, instances, tokens, args.dtype, ratio,
+        model_dir, instances, tokens, dtype, ratio,
         args.hicache_size if uses_hicache else 0.0,
-        store.capacity_gb if store.embedded else 0.0, available,
+        store.capacity_gb if store is not None and store.embedded else 0.0, available,
     )  # fmt: skip
 
 
 def run_cluster(
     argv: list[str], args: argparse.Namespace, options: ClusterOptions,
-    store: KvStoreOptions, model_path: str,
+    store: KvStoreOptions | None, model_path: str,
 ) -> None:  # fmt: skip
-    """Run the cluster until Ctrl-C/SIGTERM; raise ChildFailed when start-up fails and
-    MemoryPlanError, before starting anything, when the plan does not fit in host memory."""
+    """Run the cluster until Ctrl-C/SIGTERM (``store`` None: with no KV store at all); raise
+    ChildFailed when start-up fails and MemoryPlanError, before starting anything, when the
+    plan does not fit in host memory."""
     from banaserve.kvstore import TOKEN_ENV
     from banaserve.kvstore.embedded import start_embedded_store
 
@@ -120,12 +128,12 @@ def run_cluster(
     logger.info("cluster logs in %s", log_dir)
     ledger = LeftoverLedger(log_dir / "children.json")
     reaper = Reaper(ledger.path, log_dir / "reaper.log")
-    token = store.token or os.environ.get(TOKEN_ENV)
-    urls = store.urls
+    token = (store.token if store is not None else None) or os.environ.get(TOKEN_ENV)
+    urls = store.urls if store is not None else []
     store_process: ManagedProcess | None = None
     processes: ClusterProcesses | None = None
     try:
-        if store.embedded:
+        if store is not None and store.embedded:
             store_process, url, token = start_embedded_store(store.capacity_gb, token, log_dir)
             ledger.add_session(store_process.pid)
             urls = [url]
@@ -202,7 +210,8 @@ async def serve_gateway(
     board = LoadBoard(specs)
     count_tokens, max_token_bytes = await asyncio.to_thread(load_tokenizer, model_path)
     limits = await model_limits(model_path, specs, max_token_bytes)
-    store_client = await asyncio.to_thread(KvStoreClient, urls, token)
+    # No URLs: --kv-store none, so no client, no handoff (NoStorePlacer), /cluster store null.
+    store_client = await asyncio.to_thread(KvStoreClient, urls, token) if urls else None
     ready_timeout = aiohttp.ClientTimeout(total=5)
 
     async def ready(child: Child) -> bool:
@@ -220,18 +229,20 @@ async def serve_gateway(
     supervisor = Supervisor(processes, board, ready, options.restart_policy, ledger)
 
     async def extra_info() -> dict[str, Any]:
-        stats = await asyncio.to_thread(store_client.stats)
+        stats = await asyncio.to_thread(store_client.stats) if store_client else None
         pids = {i.name: i.process.pid for i in processes.children}
         return {"store": stats, "log_dir": str(processes.log_dir), "pids": pids}
 
+    placer_class = Placer if store_client is not None else NoStorePlacer
     gateway = Gateway(
         board,
         make_policy(options.router_policy, PREFILL),
         make_policy(options.router_policy, DECODE),
         Intake(options.request_limits, limits, count_tokens),
-        Placer(options.handoff_min_tokens, options.in_place_max_new_tokens),
+        placer_class(options.handoff_min_tokens, options.in_place_max_new_tokens),
         extra_info,
         supervisor,
+        clear_store=store_client.clear if store_client is not None else None,
     )
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()
@@ -251,7 +262,7 @@ async def serve_gateway(
         logger.info(
             "BanaServe cluster serving on http://%s:%d: %d prefill + %d decode, router %s, "
             "store %s", host, port, prefill, len(specs) - prefill, options.router_policy,
-            ",".join(urls),
+            ",".join(urls) or "none (no handoff)",
         )  # fmt: skip
         await stop.wait()
         logger.info("stopping the cluster")
@@ -262,7 +273,8 @@ async def serve_gateway(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await runner.cleanup()
-        store_client.close()
+        if store_client is not None:
+            store_client.close()
 
 
 __all__ = ["ChildFailed", "run_cluster"]

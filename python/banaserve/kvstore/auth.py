@@ -13,6 +13,7 @@ earlier one matched):
   LOOKUP, RELEASE) to ``sha256(domain, tenant, key)`` (:meth:`Grant.map_keys`) before the store
   or the claim table sees it, so a tenant cannot read, probe, overwrite or claim another
   tenant's pages even with their exact keys: it can only ever name keys of its own keyspace.
+  Nor may it CLEAR the store (:func:`check_clear`).
 
 With neither configured, anyone who reaches the port may use the store (the command line allows
 that only on a loopback address, or with ``--insecure``).
@@ -136,6 +137,17 @@ def check_hello(control: dict[str, Any], authenticated: bool, auth: Authenticato
             f"client speaks protocol {control['version']}, server {PROTOCOL_VERSION}"
         )
     return auth.authenticate(control.get("token"))
+
+
+def check_clear(grant: Grant) -> None:
+    """Refuse CLEAR (ProtocolError AUTH) to a tenant token. Refused rather than limited to the
+    tenant's pages: a stored page does not record whose keyspace it is in (its key is a hash),
+    so the server cannot tell a tenant's pages from the others'. Shared by every transport."""
+    if grant.tenant is not None:
+        raise ProtocolError(
+            f"CLEAR needs the shared token: tenant {grant.tenant!r} may not clear the store",
+            ErrorCode.AUTH,
+        )
 
 
 def map_control_keys(control: dict[str, Any], grant: Grant) -> dict[str, Any]:

@@ -138,6 +138,13 @@ class ClaimTable:
                 self._end(claim)
         return len(keys)
 
+    def clear(self) -> int:
+        """End every claim (the store was cleared), waking every waiter; returns how many."""
+        claims = list(self._claims.values())
+        for claim in claims:
+            self._end(claim)
+        return len(claims)
+
     async def wait(self, claim: Claim, deadline: float) -> None:
         """Suspend until ``claim`` ends, its lease runs out, or ``deadline`` (clock time),
         whichever comes first. The caller then looks again (store, then :meth:`holder`)."""

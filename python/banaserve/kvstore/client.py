@@ -115,50 +115,27 @@ class KvStoreClient:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.replication = replication
-        self._shards = [
-            Shard(
-                a,
-                token,
-                timeout,
-                self.CONNECTIONS_PER_SHARD,
-                self.RETRY_AFTER_S,
-                self.MAX_RETRY_AFTER_S,
-            )
-            for a in addresses
-        ]
+
+        def shards(per_shard: int) -> list[Shard]:
+            retry = (self.RETRY_AFTER_S, self.MAX_RETRY_AFTER_S)
+            return [Shard(a, token, timeout, per_shard, *retry) for a in addresses]
+
+        self._shards = shards(self.CONNECTIONS_PER_SHARD)
         # Same servers, own pools (see LOOKUP_CONNECTIONS_PER_SHARD); connected on first use.
-        self._lookup_shards = [
-            Shard(
-                a,
-                token,
-                timeout,
-                self.LOOKUP_CONNECTIONS_PER_SHARD,
-                self.RETRY_AFTER_S,
-                self.MAX_RETRY_AFTER_S,
-            )
-            for a in addresses
-        ]
+        self._lookup_shards = shards(self.LOOKUP_CONNECTIONS_PER_SHARD)
         endpoints = [a.endpoint for a in addresses]
         if len(set(endpoints)) != len(endpoints):
             raise ValueError(f"shard URLs {list(urls)} name the same server more than once")
         self._ring = HashRing(endpoints)
-        # Enough workers for every pooled connection, so parallel callers do not queue here.
-        self._pool = (
-            ThreadPoolExecutor(
-                len(self._shards) * self.CONNECTIONS_PER_SHARD,
-                thread_name_prefix="kvstore-client",
-            )
-            if len(self._shards) > 1
-            else None
-        )
-        self._lookup_pool = (
-            ThreadPoolExecutor(
-                len(self._shards) * self.LOOKUP_CONNECTIONS_PER_SHARD,
-                thread_name_prefix="kvstore-lookup",
-            )
-            if len(self._shards) > 1
-            else None
-        )
+
+        def pool(per_shard: int, name: str) -> ThreadPoolExecutor | None:
+            # Enough workers for every pooled connection, so parallel callers do not queue
+            # here; none for one shard, which the calling thread serves itself.
+            n = len(self._shards)
+            return ThreadPoolExecutor(n * per_shard, thread_name_prefix=name) if n > 1 else None
+
+        self._pool = pool(self.CONNECTIONS_PER_SHARD, "kvstore-client")
+        self._lookup_pool = pool(self.LOOKUP_CONNECTIONS_PER_SHARD, "kvstore-lookup")
         try:
             self._fan_out({i: None for i in range(len(self._shards))}, self._probe)
         except BaseException:
@@ -435,6 +412,24 @@ class KvStoreClient:
             shard.url: results[i] or {"up": False, "error": shard.last_error or "unreachable"}
             for i, shard in enumerate(self._shards)
         }
+
+    def clear(self) -> int:
+        """Drop every page and every claim on every shard (CLEAR); the pages dropped, in total.
+
+        Needs the shared token: a tenant token's CLEAR raises KvStoreAuthError. A shard that
+        is down or busy raises KvStoreError naming it (after the others were cleared), since
+        its pages are still there: a clear is all or an error, never silently partial.
+        """
+
+        def one(shard: Shard, _: None) -> int:
+            return int(shard.call(Op.CLEAR, {})["dropped"])  # a count >= 0: validate_reply
+
+        results = self._fan_out({i: None for i in range(len(self._shards))}, one)
+        missed = [f"{self._shards[i].url} ({self._shards[i].last_error or 'unreachable'})"
+                  for i, n in results.items() if n is None]  # fmt: skip
+        if missed:
+            raise KvStoreError(f"could not clear kv store shard(s) {', '.join(missed)}")
+        return sum(n or 0 for n in results.values())
 
     def close(self) -> None:
         """Close every idle connection (busy ones close when returned); idempotent."""

@@ -80,6 +80,10 @@ class Op(enum.IntEnum):
                 0 < lease_ms <= MAX_LEASE_MS, 0 < len(owner) <= MAX_OWNER_CHARS.
     RELEASE     {keys, owner: str} -> {released: [bool]}: end ``owner``'s claims on ``keys``
                 (a computation given up), waking whoever waits on them.
+    CLEAR       {} -> {dropped: int}: drop every stored page (every tier) and every claim,
+                waking the claims' waiters; ``dropped``: the pages dropped. Needs the shared
+                token (or a store without tokens): a tenant token's CLEAR is an AUTH error,
+                since pages do not record their tenant and the whole keyspace is not its own.
     ERROR       (reply only) {code: ErrorCode value, message}; the server then closes.
 
     With ``shm`` true the payload bytes sit at offset 0 of the connection's segment and the
@@ -94,6 +98,7 @@ class Op(enum.IntEnum):
     SHM_ATTACH = 6
     LOOKUP = 7
     RELEASE = 8
+    CLEAR = 9
     ERROR = 0xFF
 
 
@@ -372,7 +377,7 @@ def validate_request(
                 ErrorCode.TOO_LARGE,
             )
         _payload_matches(op, header.payload_len, total, _flag(control, "shm", op))
-    elif op is Op.STATS:
+    elif op in (Op.STATS, Op.CLEAR):
         _no_payload(op, header.payload_len)
     elif op is Op.LOOKUP:
         _no_payload(op, header.payload_len)
@@ -442,4 +447,7 @@ def validate_reply(
     elif op is Op.RELEASE:
         _no_payload(op, header.payload_len)
         _bool_list(control, "released", op)
+    elif op is Op.CLEAR:
+        _no_payload(op, header.payload_len)
+        _bounded_int(control, "dropped", 0, 2**63 - 1, op)
     return control

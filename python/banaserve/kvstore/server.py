@@ -15,7 +15,8 @@ tenant's (see :mod:`banaserve.kvstore.auth`).
 In-flight prefix coalescing (LOOKUP, RELEASE; see :mod:`banaserve.kvstore.claims`): the
 server keeps a :class:`ClaimTable` on its event loop. A LOOKUP that waits for a claimed key
 suspends only its own connection's task (other connections keep being served); a PUT ends the
-claims on its keys and wakes their waiters; a closed connection ends the claims it made.
+claims on its keys and wakes their waiters; a closed connection ends the claims it made; a
+CLEAR (which drops every page, for the shared token only) ends every claim.
 
 A frame is checked in full before it has any effect (:mod:`banaserve.kvstore.server_conn`),
 and the whole payload arrives before the first page of a PUT is stored. Anything wrong gets an
@@ -44,7 +45,7 @@ from banaserve.kvstore.admission import (
     ByteBudget,
     ConnectionGate,
 )
-from banaserve.kvstore.auth import Authenticator, check_hello
+from banaserve.kvstore.auth import Authenticator, check_clear, check_hello
 from banaserve.kvstore.claims import DEFAULT_MAX_CLAIMS, ClaimTable
 from banaserve.kvstore.lookup import serve_lookup
 from banaserve.kvstore.protocol import (
@@ -153,6 +154,8 @@ class KvStoreServer:
             "coalesced": 0,  # keys that became present during such a wait: computations saved
             "wait_timeouts": 0,  # LOOKUPs whose wait ran out with the key still claimed
             "released": 0,  # claims ended by their owner (RELEASE: a computation given up)
+            "cleared": 0,  # pages dropped by CLEAR
+            "claims_cleared": 0,  # claims ended by CLEAR
         }
         # Touched only on the serving loop (``self._loop``); other threads go through
         # notify_stored.
@@ -334,6 +337,11 @@ class KvStoreServer:
             released = [self.claims.release(key, owner) for key in control["keys"]]
             self._counters["released"] += sum(released)
             reply = {"released": released}
+        elif op is Op.CLEAR:
+            check_clear(conn.grant)
+            reply = {"dropped": await self._in_store(self.store.clear)}
+            self._counters["cleared"] += reply["dropped"]
+            self._counters["claims_cleared"] += self.claims.clear()
         else:  # pragma: no cover - validate_request lets only the ops above through
             raise ProtocolError(f"unhandled op {op.name}")
         await self._reply(conn, op, header.request_id, reply)

@@ -25,10 +25,10 @@ number as the TCP server's): a client that crashed is never noticed here (below)
 leftovers must not lock tcp:// clients out. Wire mapping and tags: :mod:`.transport.ucx`.
 
 In-flight prefix coalescing is not offered here: LOOKUP is answered like EXISTS (no waiting,
-``claimed`` all False, so a ucx:// client computes what is missing, as before) and RELEASE
-releases nothing. Waiting would need a timer-driven state machine in this thread; claims are
-the TCP server's. A PUT over ucx:// does end the TCP server's claims on its keys (through
-``on_stored``), so tcp:// waiters are not kept waiting for pages stored over ucx://.
+``claimed`` all False, so a ucx:// client computes what is missing, as before), RELEASE
+releases nothing and CLEAR drops the pages only. Waiting would need a timer-driven state
+machine in this thread; claims are the TCP server's. A PUT over ucx:// does end the TCP
+server's claims on its keys (``on_stored``), so tcp:// waiters do not wait for ucx:// pages.
 
 Limits of UCX without endpoint error handling: the server does not learn that a client
 crashed (a client that closes says BYE); such a connection keeps an endpoint, a 28-byte receive
@@ -52,7 +52,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from banaserve.kvstore.admission import Admission, Ticket, request_buffer
-from banaserve.kvstore.auth import Authenticator, check_hello, map_control_keys
+from banaserve.kvstore.auth import Authenticator, check_clear, check_hello, map_control_keys
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     MISSING,
@@ -364,10 +364,8 @@ class UcxListenerHandle:
             reply = {"sizes": [MISSING if v is None else v.nbytes for v in found]}
             views = [v for v in found if v is not None and v.nbytes]
         elif op is Op.PUT:
-            try:
-                source = memoryview(payload if payload is not None else b"")
-                values = split_pages(source, control["sizes"])
-                del source
+            try:  # no view of the payload outlives split_pages: it goes when the request ends
+                values = split_pages(memoryview(payload or b""), control["sizes"])
                 stored = put_pages(self.store, control["keys"], values)
             finally:
                 if self._on_stored is not None:  # thread-safe, returns at once
@@ -375,6 +373,9 @@ class UcxListenerHandle:
             reply = {"stored": stored}
         elif op is Op.STATS:
             reply = {"store": asdict(self.store.stats()), "server": self._info()}
+        elif op is Op.CLEAR:  # the pages only: claims are the TCP server's (module docstring)
+            check_clear(conn.grant)
+            reply = {"dropped": self.store.clear()}
         elif op is Op.LOOKUP:  # no claims over ucx:// (module docstring): a plain EXISTS
             present = contains_all(self.store, control["keys"])
             reply = {"present": present, "claimed": [False] * len(present)}
@@ -426,10 +427,9 @@ class UcxListenerHandle:
     def _refuse(self, conn: UcxConn, code: ErrorCode, message: str) -> None:
         """Send an ERROR, then close once it has left (or after :data:`REFUSE_GRACE_S`)."""
         request_id = conn.header.request_id if conn.header is not None else 0
+        error = {"code": code.value, "message": message[:4096]}
         try:
-            self._send_frame(
-                conn, Op.ERROR, request_id, {"code": code.value, "message": message[:4096]}, []
-            )
+            self._send_frame(conn, Op.ERROR, request_id, error, [])
         except Exception:
             self._drop(conn)
             return

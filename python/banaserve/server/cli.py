@@ -21,6 +21,13 @@ from banaserve.server.request_limits import (
 
 PROG = "python -m banaserve.launch_server"
 KV_STORE_MODES = ("hicache", "linker")
+#: ``--kv-store`` values that are not shard URLs: start one shard here / attach no store.
+KV_STORE_EMBEDDED = "embedded"
+KV_STORE_NONE = "none"
+#: The dtype BanaServe's CPU defaults run a model in when ``--dtype`` is SGLang's "auto":
+#: on SGLang's CPU engine SmolLM2-135M decodes at 11 tok/s in float32, 4.3 in bfloat16 (its
+#: checkpoint's dtype, which "auto" would pick).
+CPU_DEFAULT_DTYPE = "float32"
 #: Kept in step with banaserve.router.policies.POLICY_NAMES (a test checks): importing the
 #: router here would slow every instance's start-up for a list of names.
 ROUTER_POLICIES = ("load_aware", "cache_aware", "round_robin")
@@ -97,9 +104,22 @@ def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(args.max_request_bytes, args.max_json_depth, args.max_request_n)
 
 
+def cpu_dtype(dtype: str) -> str:
+    """The dtype an instance runs in under BanaServe's CPU defaults: ``--dtype`` as given,
+    :data:`CPU_DEFAULT_DTYPE` for SGLang's default "auto" (given or not: to run a model in
+    its checkpoint's dtype, name that dtype, or pass ``--no-cpu-defaults``)."""
+    return CPU_DEFAULT_DTYPE if dtype == "auto" else dtype
+
+
+def kv_store_is_none(args: argparse.Namespace) -> bool:
+    """``--kv-store none``: no store at all, not even a cluster's embedded one."""
+    return (args.kv_store or "").strip() == KV_STORE_NONE
+
+
 @dataclass(frozen=True)
 class KvStoreOptions:
-    """``--kv-store*`` flags: shard URLs, or ``embedded`` (start one shard here)."""
+    """``--kv-store*`` flags: shard URLs, or ``embedded`` (start one shard here); None for
+    no store (no ``--kv-store``, or ``--kv-store none``)."""
 
     urls: list[str]
     embedded: bool
@@ -112,9 +132,9 @@ class KvStoreOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KvStoreOptions | None:
-        if not args.kv_store:
+        if not args.kv_store or kv_store_is_none(args):
             return None
-        embedded = args.kv_store.strip() == "embedded"
+        embedded = args.kv_store.strip() == KV_STORE_EMBEDDED
         urls = [] if embedded else [u.strip() for u in args.kv_store.split(",") if u.strip()]
         for url in urls:
             if "://" not in url:
@@ -148,8 +168,8 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no-cpu-defaults",
         action="store_true",
-        help="On the CPU, do not add BanaServe's defaults (--device cpu, --sleep-on-idle, a KV "
-        "pool sized from free memory).",
+        help="On the CPU, do not add BanaServe's defaults (--device cpu, --sleep-on-idle, "
+        f"--dtype {CPU_DEFAULT_DTYPE} in place of 'auto', a KV pool sized from free memory).",
     )
     group.add_argument(
         "--max-request-bytes",
@@ -174,10 +194,12 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
     store = parser.add_argument_group("BanaServe KV store")
     store.add_argument(
         "--kv-store",
-        metavar="URL[,URL...]|embedded",
+        metavar=f"URL[,URL...]|{KV_STORE_EMBEDDED}|{KV_STORE_NONE}",
         default=None,
         help="Attach this server to the Global KV Cache Store: a comma-separated list of shard "
-        "URLs (tcp://, shm://, ucx://), or 'embedded' to start one shard for this server.",
+        f"URLs (tcp://, shm://, ucx://), or '{KV_STORE_EMBEDDED}' to start one shard for this "
+        f"server. A cluster starts its own shard by default; '{KV_STORE_NONE}' runs it without "
+        "any store (no KV handoff: every request runs whole on the least loaded instance).",
     )
     store.add_argument(
         "--kv-store-token",

@@ -53,6 +53,12 @@ class PageStore(ABC):
     def stats(self) -> StoreStats:
         """A snapshot of the counters."""
 
+    @abstractmethod
+    def clear(self) -> int:
+        """Drop every page of every tier; returns how many distinct pages were dropped. Not
+        counted as evictions; the other counters run on. A ``put`` that returned before the
+        call is dropped, one that starts after it returned is kept; a concurrent one either."""
+
     def flush(self) -> None:  # noqa: B027 - optional for tiers with no background writes
         """Block until every accepted page is durable in the last tier (no-op without SSD)."""
 

@@ -73,6 +73,17 @@ class MemoryStore(PageStore):
         with self._lock:
             return key in self._pages
 
+    def clear(self) -> int:
+        return len(self.drop_all())
+
+    def drop_all(self) -> list[bytes]:
+        """Drop every page (``on_evict`` is not called: nothing is evicted); their keys."""
+        with self._lock:
+            keys = list(self._pages)
+            self._pages.clear()
+            self._bytes = 0
+        return keys
+
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(

@@ -166,6 +166,23 @@ class SsdStore(PageStore):
                 corrupt_dropped=self._corrupt,
             )
 
+    def clear(self) -> int:
+        return len(self.drop_all())
+
+    def drop_all(self) -> list[bytes]:
+        """Delete every page file; their keys. Unlinks under the lock, as eviction does, so
+        that a put racing with this keeps its fresh file or loses it, never its index entry."""
+        with self._lock:
+            keys = list(self._index)
+            self._index.clear()
+            self._bytes = 0
+            for key in keys:
+                try:
+                    self._path(key).unlink(missing_ok=True)
+                except OSError as exc:
+                    logger.warning("could not delete page %s: %s", key.hex(), exc)
+        return keys
+
     def close(self) -> None:
         """Release the directory lock; pages stay on disk for the next store. Idempotent."""
         with self._lock:

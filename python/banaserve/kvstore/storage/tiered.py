@@ -65,6 +65,7 @@ class TieredStore(PageStore):
         # Pages accepted but not yet on SSD, oldest first. An entry leaves only after its
         # write finished, so get() finds a page either here or on SSD at every moment.
         self._pending: OrderedDict[bytes, bytes] = OrderedDict()
+        self._writing = False  # the writer holds a page it took from _pending (not yet on SSD)
         self._closed = False
         self._hits = 0
         self._ssd_hits = 0
@@ -175,6 +176,21 @@ class TieredStore(PageStore):
                 ssd_write_errors=self._write_errors,
             )
 
+    def clear(self) -> int:
+        """Drop every page: RAM, the pending queue and SSD (see ``PageStore.clear``). Waits for
+        the page being written, if any, so that it cannot land on SSD after the clear (a get
+        racing with the clear may still bring back into RAM the page it read)."""
+        with self._cond:
+            dropped = set(self._pending)
+            self._pending.clear()
+            self._cond.notify_all()  # puts waiting for queue space go on
+            while self._writing:
+                self._cond.wait()
+        dropped.update(self._ram.drop_all())
+        if self._ssd is not None:
+            dropped.update(self._ssd.drop_all())
+        return len(dropped)
+
     def flush(self) -> None:
         """Block until every page accepted so far has been written to SSD (or failed)."""
         with self._cond:
@@ -202,11 +218,13 @@ class TieredStore(PageStore):
                 if not self._pending:
                     return  # closed and drained
                 key, value = next(iter(self._pending.items()))
+                self._writing = True
             try:
                 self._ssd.put(key, value)
             except Exception as exc:
                 self._record_write_error(key, exc)
             with self._cond:
+                self._writing = False
                 # A re-put during the write replaced the value: keep it queued for another write.
                 if self._pending.get(key) is value:
                     del self._pending[key]
