@@ -238,6 +238,7 @@ def main() -> None:
 
         args.model = str(default_model_path())
     out = args.out or REPO / "benchmark" / "results" / time.strftime("compare-%Y%m%d-%H%M%S")
+    out = out.resolve()  # bench_serving runs in it and writes its --output-file from there
     out.mkdir(parents=True, exist_ok=True)
     # Small enough that cache_pressure's prefixes overflow one instance's pool.
     budget = Budget(args.dtype, args.kv_tokens or (6144 if args.quick else 16384))

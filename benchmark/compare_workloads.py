@@ -67,19 +67,27 @@ def workloads(quick: bool, scale: float = 1.0) -> list[Workload]:
     prefix = 512 if quick else 1024
     hot, long_ = scaled(96, scale), scaled(48, scale)
     pressure_groups = 16 if quick else 48
-    pressure = scaled(96, scale, pressure_groups)
+    # Each prefix used twice at least, whatever the scale: a first use fills, a second reuses.
+    pressure = max(2 * pressure_groups, scaled(96, scale, pressure_groups))
     zipf, zipf_long = scaled(96, scale, ZIPF_GROUPS), scaled(48, scale, ZIPF_GROUPS)
     uniform, uniform_long = scaled(48, scale), scaled(32, scale)
+    # Two bursts at least, whatever the scale.
+    bursty = max(scaled(96, scale, ZIPF_GROUPS), 2 * round(BURST_RATE * BURST_ON_S))
 
     def gsp(groups: int, n: int, out: int, zipf: bool = False) -> tuple[str, ...]:
         return shared_prefix_args(groups, n // groups, prefix, out, zipf)
 
+    def conc(c: int) -> int:
+        # Scaled with the prompts, so the shape stays: with 24 prompts at 32 concurrent every
+        # request of a hotspot would arrive at once, before any could find the prefix cached.
+        return max(2, round(c * scale))
+
     out = [
-        Workload("hotspot", gsp(1, hot, SHORT_OUT), hot, 32, seed=1),
-        Workload("hotspot_long", gsp(1, long_, LONG_OUT), long_, 16, seed=11),
-        Workload("zipf", gsp(ZIPF_GROUPS, zipf, SHORT_OUT, True), zipf, 32, seed=4),
+        Workload("hotspot", gsp(1, hot, SHORT_OUT), hot, conc(32), seed=1),
+        Workload("hotspot_long", gsp(1, long_, LONG_OUT), long_, conc(16), seed=11),
+        Workload("zipf", gsp(ZIPF_GROUPS, zipf, SHORT_OUT, True), zipf, conc(32), seed=4),
         Workload(
-            "zipf_long", gsp(ZIPF_GROUPS, zipf_long, LONG_OUT, True), zipf_long, 16, seed=14
+            "zipf_long", gsp(ZIPF_GROUPS, zipf_long, LONG_OUT, True), zipf_long, conc(16), seed=14
         ),  # fmt: skip
         Workload("cache_pressure", gsp(pressure_groups, pressure, SHORT_OUT), pressure, 8, seed=2),
         Workload(
@@ -89,12 +97,12 @@ def workloads(quick: bool, scale: float = 1.0) -> list[Workload]:
             8,
             seed=12,
         ),  # fmt: skip
-        Workload("uniform", uniform_args(prefix, SHORT_OUT), uniform, 16, seed=3),
-        Workload("uniform_long", uniform_args(prefix, LONG_OUT), uniform_long, 16, seed=13),
+        Workload("uniform", uniform_args(prefix, SHORT_OUT), uniform, conc(16), seed=3),
+        Workload("uniform_long", uniform_args(prefix, LONG_OUT), uniform_long, conc(16), seed=13),
         Workload(
             "bursty",
-            gsp(ZIPF_GROUPS, zipf, SHORT_OUT, True),
-            zipf,
+            gsp(ZIPF_GROUPS, bursty, SHORT_OUT, True),
+            bursty,
             64,
             seed=5,
             request_rate=BURST_RATE,

@@ -67,6 +67,17 @@ def test_workloads_have_distinct_seeds_and_both_output_lengths() -> None:
     assert zipf.num_prompts % 8 == 0
 
 
+@pytest.mark.parametrize("scale", [0.1, 0.25, 1.0])
+def test_cache_pressure_reuses_every_prefix_at_any_scale(scale: float) -> None:
+    for w in workloads(quick=False, scale=scale):
+        if w.name.startswith("cache_pressure"):
+            args = dict(zip(w.dataset_args[::2], w.dataset_args[1::2], strict=True))
+            assert int(args["--gsp-prompts-per-group"]) >= 2
+            assert int(args["--gsp-num-groups"]) * int(args["--gsp-prompts-per-group"]) == (
+                w.num_prompts
+            )
+
+
 def test_sweep_sends_the_same_prompts_at_each_rate() -> None:
     sweep = sweep_workloads(quick=True)
     assert [w.request_rate for w in sweep] == list(SWEEP_RATES)
