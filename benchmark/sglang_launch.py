@@ -20,11 +20,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "python") not in sys.path:
     sys.path.insert(0, str(REPO / "python"))
 
+from banaserve.server.cli import CPU_DEFAULT_DTYPE  # noqa: E402
 from banaserve.utils.processes import ChildFailed, ManagedProcess, free_port  # noqa: E402
 
 #: Server flags for the CPU; the caller's flags come after them, so they can override any.
+#: The dtype is BanaServe's CPU default, so a stock server answers as a BanaServe one does.
 CPU_SERVER_ARGS = (
     "--device", "cpu",
+    "--dtype", CPU_DEFAULT_DTYPE,
     "--max-total-tokens", "16384",
     "--sleep-on-idle",
     "--page-size", "16",
