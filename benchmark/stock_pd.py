@@ -25,6 +25,7 @@ Usage, a quick smoke run: ``python benchmark/stock_pd.py --model /tmp/tiny-llama
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import subprocess
@@ -69,6 +70,7 @@ class StockPd(ServerGroup):
         return self
 
 
+@functools.cache  # a subprocess each time; compare.py asks once per stock PD system
 def missing_prerequisites() -> str:
     """What stock PD lacks on this machine, in one line ("" if nothing): Mooncake's engine
     loads ``libibverbs`` even for TCP, and fails with a long traceback without it."""
