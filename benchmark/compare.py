@@ -206,8 +206,12 @@ def parse_args() -> argparse.Namespace:
                         "run by throughput is reported")  # fmt: skip
     parser.add_argument(
         "--include", type=Path, nargs="*", default=[],
-        help="also report the results of earlier runs in these --out folders (systems this "
-        "run does not measure again)",
+        help="also report the results of earlier runs in these --out folders (those a system "
+        "and workload this run does not measure again)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--report-only", action="store_true",
+        help="measure no system (only the sweep, with --sweep): report the --include folders",
     )  # fmt: skip
     args = parser.parse_args()
     if args.repeat < 1 or args.scale <= 0:
@@ -215,6 +219,12 @@ def parse_args() -> argparse.Namespace:
     known = known_systems()
     args.system_names = list(args.systems.split(",") if args.systems else (
         QUICK_SYSTEMS if args.quick else FULL_SYSTEMS))  # fmt: skip
+    if args.report_only:
+        if args.systems or args.ablation:
+            parser.error("--report-only measures no system: drop --systems and --ablation")
+        if not args.include:
+            parser.error("--report-only needs --include with at least one earlier --out folder")
+        args.system_names = []
     if args.ablation:
         args.system_names += [a for a in ABLATIONS if a not in args.system_names]
     unknown = set(args.system_names) - set(known)
@@ -246,13 +256,19 @@ def main() -> None:
     known = known_systems()
     code = provenance(banaserve_env())
     load_before = os.getloadavg()
-    results = [r for folder in args.include for r in results_in(folder)
-               if r.system not in args.system_names]  # fmt: skip
+    included = [r for folder in args.include for r in results_in(folder)]
+    results: list[Result] = []
     budgets: dict[str, str] = {}
     started = time.monotonic()
 
+    def everything() -> list[Result]:
+        """This run's results, and the included ones this run did not measure again."""
+        fresh = {(r.system, r.workload) for r in results}
+        return [r for r in included if (r.system, r.workload) not in fresh] + results
+
     def save() -> None:  # after every system, so a run stopped early keeps what it measured
-        (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+        (out / "results.json").write_text(json.dumps([asdict(r) for r in everything()],
+                                                     indent=1))  # fmt: skip
 
     for name in args.system_names:
         chosen = args.chosen
@@ -261,12 +277,13 @@ def main() -> None:
         results += measure(known[name], chosen, args, budget, out, kv_bytes, budgets)
         save()
     if args.sweep:
-        best = best_baseline(results, "zipf")
+        best = best_baseline(everything(), "zipf")
         for name in ["banaserve", *([best.system] if best else [])]:
             sweep = sweep_workloads(args.quick, args.scale)
             results += measure(known[name], sweep, args, budget, out, kv_bytes, budgets)
             save()
-    report(results, args, budget, budgets, code, load_before, time.monotonic() - started, out)
+    report(everything(), args, budget, budgets, code, load_before, time.monotonic() - started,
+           out)  # fmt: skip
 
 
 def report(
