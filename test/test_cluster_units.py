@@ -18,21 +18,17 @@ from aiohttp import web
 
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.load_board import LoadBoard
-from banaserve.cluster.placement import NoStorePlacer, Placer
 from banaserve.cluster.prometheus import render_metrics
-from banaserve.cluster.request_shape import (
-    CHAT,
-    COMPLETIONS,
-    GENERATE,
-    prefill_body,
-    shape_request,
-)
+from banaserve.cluster.relay_bodies import prefill_body
 from banaserve.cluster.run import instance_launch_argv, memory_plan
 from banaserve.cluster.topology import DECODE, PREFILL, InstanceSpec, plan_cores, plan_instances
 from banaserve.kvstore.client import KvStoreError
 from banaserve.launch_server import plan_launch
+from banaserve.router.placement import NoStorePlacer, Placer
 from banaserve.router.policies import POLICY_NAMES, make_policy
+from banaserve.router.request_shape import shape_request
 from banaserve.server.cli import ROUTER_POLICIES, KvStoreOptions, build_parser, drop_flags
+from banaserve.server.request_validation import CHAT, COMPLETIONS, GENERATE
 from banaserve.utils.processes import free_port
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from banaserve.cluster.placement import NoStorePlacer, Placement, Placer, PromptIndex
-from banaserve.cluster.request_shape import GENERATE, RequestShape
+from banaserve.router.placement import NoStorePlacer, Placement, Placer, PromptIndex
+from banaserve.router.request_shape import RequestShape
+from banaserve.server.request_validation import GENERATE
 
 SYSTEM = "You are a careful assistant who answers in one word. " * 40  # about 2,100 chars
 

@@ -8,7 +8,7 @@ its pages, so the next request loads its prefix from there.
 must not see each other's prefixes: every healthy instance flushed as above, then every page
 and claim of the KV store dropped (CLEAR, through the gateway's store client, which holds the
 cluster's shared token), and the gateway's own prompt index and pending handoffs forgotten
-(:meth:`~banaserve.cluster.placement.Placer.reset`). Instances go first: a page an instance
+(:meth:`~banaserve.router.placement.Placer.reset`). Instances go first: a page an instance
 was still writing back lands before the store is cleared, not after. Every part is tried
 whatever the others did; any failure makes it a 500 naming each one (an instance busy with
 requests refuses to flush: SGLang flushes only when idle), and a retry is safe.
@@ -23,7 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from banaserve.cluster.http_errors import error_response
-from banaserve.cluster.placement import Placer
+from banaserve.router.placement import Placer
 
 #: Clears the store and returns the pages it dropped (``KvStoreClient.clear``); blocking.
 ClearStore = Callable[[], int]

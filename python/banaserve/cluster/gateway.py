@@ -1,7 +1,7 @@
 """The cluster's HTTP front: SGLang's API on one port, routed over prefill and decode instances.
 
 Per generation request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``), after
-:mod:`banaserve.cluster.placement` has decided whether it needs a handoff:
+:mod:`banaserve.router.placement` has decided whether it needs a handoff:
 
 1. *Prefill* (handoff only): one token of the request on the prefill instance the policy
    picks; that instance writes the prompt's KV pages to the store. A prefill that cannot be
@@ -45,12 +45,12 @@ from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
 from banaserve.cluster.http_errors import error_response, unavailable
 from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
 from banaserve.cluster.load_board import LoadBoard
-from banaserve.cluster.placement import Placement, Placer
 from banaserve.cluster.poison import PoisonGuard
 from banaserve.cluster.prometheus import render_metrics
-from banaserve.cluster.request_shape import computed_prompt_tokens, prefill_body
-from banaserve.cluster.topology import DECODE, PREFILL
-from banaserve.router.policies import NoHealthyInstance, Policy
+from banaserve.cluster.relay_bodies import computed_prompt_tokens, prefill_body
+from banaserve.router.base import NoHealthyInstance, Policy, Role
+from banaserve.router.placement import Placement, Placer
+from banaserve.router.router import Router
 from banaserve.server.request_limits import RequestRejected, check_body_size, check_content_type
 from banaserve.server.request_validation import GENERATION_PATHS
 
@@ -105,10 +105,9 @@ class Gateway:
         clear_store: ClearStore | None = None,
     ) -> None:
         self.board = board
-        self.prefill_policy = prefill_policy
-        self.decode_policy = decode_policy
+        placer = placer if placer is not None else Placer()
+        self.router = Router(board, prefill_policy, decode_policy, placer)
         self.intake = intake if intake is not None else Intake()
-        self.placer = placer if placer is not None else Placer()
         self._prefilling: dict[str, asyncio.Event] = {}  # by prompt, handoffs in prefill
         self.extra_info = extra_info
         self.clear_store = clear_store  # None: the cluster has no store
@@ -165,13 +164,13 @@ class Gateway:
             self.counters.quarantine_refusals += 1
             return error_response(400, refusal)
         shape = admitted.shape
-        placement = self.placer.place(shape)
+        placement = self.router.plan(shape)
         if placement.handoff:
             done = self._prefilling.setdefault(shape.prompt, asyncio.Event())
             try:
                 refused = await self._prefill(admitted)
             finally:
-                self.placer.prefilled(shape.prompt)
+                self.router.prefilled(shape)
                 done.set()
                 if self._prefilling.get(shape.prompt) is done:
                     del self._prefilling[shape.prompt]
@@ -204,22 +203,21 @@ class Gateway:
         """Run the prompt on a prefill instance. Returns the response to give the client when
         the instance refused the request (4xx) or it was quarantined, else None (also when
         no prefill could be reached: the decode instance then computes the prompt itself)."""
-        if not self.board.healthy(PREFILL):
+        if not self.router.can_prefill():
             return None
         shape = admitted.shape
         payload = prefill_body(shape.path, admitted.body)
         tried: set[str] = set()
         only: str | None = None  # the restarted instance a suspect request goes back to
         while True:
-            candidates = [c for c in self.board.healthy(PREFILL)
-                          if c.url == only or (only is None and c.url not in tried)]  # fmt: skip
-            if not candidates:
+            try:
+                pick = self.router.pick(Role.PREFILL, shape, tried, only=only)
+            except NoHealthyInstance:
                 return None
-            url = self.prefill_policy.choose(candidates, shape.prompt).url
+            url = pick.url
             tried.add(url)
             only = None
             pid = self.failover.pid_of(url)
-            self.board.begin(url, shape.prompt_tokens)
             try:
                 status, data = await self._race(self._post_json(url + shape.path, payload), url)
                 await self.failover.raise_if_died(url, pid, status)
@@ -229,8 +227,7 @@ class Gateway:
                     return refused
                 continue
             finally:
-                self.board.end(url, shape.prompt_tokens)
-                self.prefill_policy.on_done(url, shape.prompt)
+                self.router.done(pick, shape)
             if 400 <= status < 500:
                 return web.Response(status=status, body=data, content_type=JSON)
             if status != 200:
@@ -252,19 +249,6 @@ class Gateway:
         async with self.session.post(url, json=payload) as response:
             return response.status, await response.read()
 
-    def _decode_candidates(self, any_role: bool) -> list[Any]:
-        candidates = self.board.healthy(DECODE)
-        if any_role:
-            return candidates + self.board.healthy(PREFILL)
-        if candidates:
-            return candidates
-        fallback = self.board.healthy(PREFILL)
-        if fallback:
-            if self.counters.fallbacks_to_prefill == 0:
-                logger.warning("no decode instance is healthy: prefill instances decode too")
-            self.counters.fallbacks_to_prefill += 1
-        return fallback
-
     async def _decode(
         self, request: web.Request, admitted: Admitted, raw: bytes, placement: Placement
     ) -> web.StreamResponse:
@@ -275,24 +259,24 @@ class Gateway:
         tried: set[str] = set()
         only: str | None = None  # the restarted instance a suspect request goes back to
         last_error = "no decode instance is healthy"
-        prefill_tokens = placement.uncached_tokens
         while True:
-            candidates = [c for c in self._decode_candidates(placement.any_role or bool(only))
-                          if c.url == only or (only is None and c.url not in tried)]  # fmt: skip
-            if not candidates:
+            try:
+                pick = self.router.pick(Role.DECODE, shape, tried, only=only,
+                                        any_role=placement.any_role,
+                                        prefill_tokens=placement.uncached_tokens)  # fmt: skip
+            except NoHealthyInstance:
                 self.counters.errors += 1
                 return unavailable(f"No instance could serve the request: {last_error}.")
-            try:
-                url = self.decode_policy.choose(candidates, shape.prompt).url
-            except NoHealthyInstance as exc:
-                self.counters.errors += 1
-                return unavailable(str(exc))
+            url = pick.url
             tried.add(url)
             only = None
-            if self.board.loads[url].role == PREFILL:
+            if pick.fallback:
+                if self.counters.fallbacks_to_prefill == 0:
+                    logger.warning("no decode instance is healthy: prefill instances decode too")
+                self.counters.fallbacks_to_prefill += 1
+            if pick.role == Role.PREFILL:
                 self.counters.direct_on_prefill += 1
             pid = self.failover.pid_of(url)
-            self.board.begin(url, prefill_tokens)
             try:
                 return await self._relay(request, url, admitted, raw, pid)
             except (aiohttp.ClientError, OSError, InstanceGone, InstanceDied) as exc:
@@ -302,8 +286,7 @@ class Gateway:
                 if refused is not None:
                     return refused
             finally:
-                self.board.end(url, prefill_tokens)
-                self.decode_policy.on_done(url, shape.prompt)
+                self.router.done(pick, shape)
 
     async def _relay(
         self, request: web.Request, url: str, admitted: Admitted, raw: bytes, pid: int | None
@@ -378,7 +361,7 @@ class Gateway:
     # -- everything else -----------------------------------------------------------------------
 
     def _any_healthy(self) -> list[Any]:
-        return self.board.healthy(DECODE) + self.board.healthy(PREFILL)
+        return self.board.healthy(Role.DECODE) + self.board.healthy(Role.PREFILL)
 
     async def handle_health(self, _: web.Request) -> web.Response:
         if not self._any_healthy():
@@ -409,7 +392,7 @@ class Gateway:
         assert self.session is not None
         urls = [load.url for load in self._any_healthy()]
         return await cache_admin.handle_clear_caches(
-            self.session, urls, self.placer, self.clear_store
+            self.session, urls, self.router.placer, self.clear_store
         )
 
     def cluster_state(self) -> dict[str, Any]:
@@ -425,12 +408,12 @@ class Gateway:
                 "prompt_tokens": stats.prompt_tokens,
                 "computed_prompt_tokens": stats.computed_prompt_tokens,
             })  # fmt: skip
-        counters = self.counters
+        counters, router, placer = self.counters, self.router, self.router.placer
         return {
-            "policy": {"prefill": self.prefill_policy.name, "decode": self.decode_policy.name},
-            "handoffs": self.placer.hands_off,  # False without a store: requests run whole
-            "handoff_min_tokens": self.placer.handoff_min_tokens,
-            "in_place_max_new_tokens": self.placer.in_place_max_new_tokens,
+            "policy": {"prefill": router.prefill_policy.name, "decode": router.decode_policy.name},
+            "handoffs": placer.hands_off,  # False without a store: requests run whole
+            "handoff_min_tokens": placer.handoff_min_tokens,
+            "in_place_max_new_tokens": placer.in_place_max_new_tokens,
             "gateway": {
                 **{k: v for k, v in asdict(counters).items() if k != "started_at"},
                 "uptime_s": round(time.time() - counters.started_at, 1),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from banaserve.cluster.request_shape import RequestShape, shape_request
+from banaserve.router.request_shape import RequestShape, shape_request
 from banaserve.server.request_limits import (
     ModelLimits,
     RequestLimits,

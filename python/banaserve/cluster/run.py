@@ -27,12 +27,12 @@ from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.intake import Intake, load_tokenizer, model_vocab_size
 from banaserve.cluster.leftovers import LeftoverLedger, clean_up
 from banaserve.cluster.load_board import LoadBoard, poll_forever
-from banaserve.cluster.placement import NoStorePlacer, Placer
 from banaserve.cluster.processes import Child, ClusterProcesses, default_log_dir
 from banaserve.cluster.reaper import Reaper
 from banaserve.cluster.supervisor import Supervisor
 from banaserve.cluster.topology import DECODE, PREFILL, plan_cores, plan_instances
 from banaserve.platform import cpu_platform_wanted
+from banaserve.router.placement import NoStorePlacer, Placer
 from banaserve.server.cli import (
     CLUSTER_SWITCHES,
     CLUSTER_VALUE_FLAGS,

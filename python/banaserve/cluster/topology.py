@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREFILL = "prefill"
-DECODE = "decode"
+from banaserve.router.base import Role
+
+PREFILL, DECODE = Role.PREFILL, Role.DECODE
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,58 @@
-"""Routing: instance load reports and the policies that choose an instance per request.
+"""Routing: every decision of where a request runs, as pure code over typed load records.
 
+Nothing in this package does I/O, reads a clock it was not given, or imports
+:mod:`banaserve.cluster`, aiohttp or asyncio, so the gateway, the migration controller and the
+simulator run the same decisions.
+
+- :mod:`.base`: :class:`Role`, the :class:`Policy` contract, :class:`NoHealthyInstance`.
 - :mod:`.load`: :class:`InstanceLoad`, the one typed load record per instance.
 - :mod:`.metrics_parse`: SGLang ``/metrics`` text -> :class:`InstanceLoad`.
-- :mod:`.policies`: the :class:`Policy` contract, BanaServe's load-aware policy, round robin.
-- :mod:`.cache_aware`: sglang-router's ``cache_aware`` policy, the baseline.
+- :mod:`.board`: the latest record per instance and the router's in-flight accounting.
+- :mod:`.request_shape`: :class:`RequestShape`, a request as the router sees it.
+- :mod:`.placement`: handoff through the store or whole on one instance.
+- :mod:`.policies`: BanaServe's load-aware policy, round robin, :func:`make_policy`.
+- :mod:`.cache_aware`: sglang-router's ``cache_aware`` policy, the baseline, over the
+  approximate trees of :mod:`.prefix_tree`.
+- :mod:`.router`: :class:`Router`, the facade the gateway calls (``plan``, ``pick``, ``done``).
 """
 
-from banaserve.router.cache_aware import ApproxRadixTree, CacheAwarePolicy
-from banaserve.router.load import ROLES, InstanceLoad, with_inflight
+from banaserve.router.base import ROLES, NoHealthyInstance, Policy, Role, healthy_candidates
+from banaserve.router.board import Board
+from banaserve.router.cache_aware import CacheAwarePolicy
+from banaserve.router.load import InstanceLoad, with_inflight
 from banaserve.router.metrics_parse import load_from_metrics, parse_sglang_metrics
+from banaserve.router.placement import NoStorePlacer, Placement, Placer
 from banaserve.router.policies import (
     POLICY_NAMES,
     LoadAwarePolicy,
-    NoHealthyInstance,
-    Policy,
     RoundRobinPolicy,
     decode_sort_key,
-    healthy_candidates,
     load_aware_decode,
     load_aware_prefill,
     make_policy,
 )
+from banaserve.router.prefix_tree import ApproxRadixTree
+from banaserve.router.request_shape import RequestShape
+from banaserve.router.router import Pick, Router
 
 __all__ = [
     "POLICY_NAMES",
     "ROLES",
     "ApproxRadixTree",
+    "Board",
     "CacheAwarePolicy",
     "InstanceLoad",
     "LoadAwarePolicy",
     "NoHealthyInstance",
+    "NoStorePlacer",
+    "Pick",
+    "Placement",
+    "Placer",
     "Policy",
+    "RequestShape",
+    "Role",
     "RoundRobinPolicy",
+    "Router",
     "decode_sort_key",
     "healthy_candidates",
     "load_aware_decode",

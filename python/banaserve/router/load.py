@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: The roles an instance can serve. A ``mixed`` instance runs prefill and decode (plain SGLang).
-ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
+from banaserve.router.base import ROLES
 
 _COUNT_FIELDS = (
     "queued_reqs",

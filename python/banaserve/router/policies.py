@@ -15,62 +15,18 @@ cached prefix, so the router weighs load only. ``cache_aware`` (sglang-router's 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
 
-from banaserve.router.load import ROLES, InstanceLoad
+from banaserve.router.base import Policy, check_role, healthy_candidates
+from banaserve.router.cache_aware import CacheAwarePolicy
+from banaserve.router.load import InstanceLoad
 
 #: The names :func:`make_policy` accepts.
 POLICY_NAMES: tuple[str, ...] = ("load_aware", "cache_aware", "round_robin")
 
 #: A decode instance whose KV pool is at least this full ranks behind every one that is not.
 DECODE_KV_HIGH_WATERMARK = 0.9
-
-
-class NoHealthyInstance(RuntimeError):
-    """No candidate of ``role`` is healthy; the request cannot be routed now."""
-
-    def __init__(self, role: str, num_candidates: int) -> None:
-        super().__init__(
-            f"no healthy {role} instance to route to ({num_candidates} candidate(s), none healthy)"
-        )
-        self.role = role
-        self.num_candidates = num_candidates
-
-
-@runtime_checkable
-class Policy(Protocol):
-    """Chooses one instance per request among the candidates of one role.
-
-    Contract:
-    - ``choose`` returns one of the *healthy* ``candidates`` (the same object) and raises
-      :class:`NoHealthyInstance` when there is none. It does no I/O and does not block beyond
-      the policy's own lock.
-    - ``on_done(url, prompt)`` is called once per chosen request when it finishes (or fails),
-      with the url it was sent to; policies without in-flight state ignore it.
-    - Both are safe to call concurrently from threads.
-    """
-
-    name: str
-
-    def choose(self, candidates: Sequence[InstanceLoad], prompt: str) -> InstanceLoad: ...
-
-    def on_done(self, url: str, prompt: str) -> None: ...
-
-
-def healthy_candidates(candidates: Sequence[InstanceLoad], role: str) -> list[InstanceLoad]:
-    """The healthy candidates, in the given order; raises NoHealthyInstance if there are none."""
-    healthy = [c for c in candidates if c.healthy]
-    if not healthy:
-        raise NoHealthyInstance(role, len(candidates))
-    return healthy
-
-
-def check_role(role: str) -> str:
-    """``role`` itself if it is one of ROLES; else ValueError naming the valid roles."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    return role
 
 
 def load_aware_prefill(candidates: Sequence[InstanceLoad], role: str = "prefill") -> InstanceLoad:
@@ -160,8 +116,9 @@ class RoundRobinPolicy:
         pass
 
 
-def make_policy(name: str, role: str) -> Policy:
-    """The policy called ``name`` (one of :data:`POLICY_NAMES`) for instances of ``role``.
+def make_policy(name: str, role: str, clock: Callable[[], float] = time.monotonic) -> Policy:
+    """The policy called ``name`` (one of :data:`POLICY_NAMES`) for instances of ``role``;
+    ``clock`` times whatever the policy does by time (``cache_aware``'s tree eviction).
 
     Raises ``ValueError`` naming the valid choices for an unknown name or role.
     """
@@ -171,8 +128,5 @@ def make_policy(name: str, role: str) -> Policy:
     if name == "round_robin":
         return RoundRobinPolicy(role)
     if name == "cache_aware":
-        # Imported here: cache_aware builds on this module's NoHealthyInstance and helpers.
-        from banaserve.router.cache_aware import CacheAwarePolicy
-
-        return CacheAwarePolicy(role)
+        return CacheAwarePolicy(role, clock=clock)
     raise ValueError(f"unknown routing policy {name!r}: one of {', '.join(POLICY_NAMES)}")

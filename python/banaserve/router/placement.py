@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from banaserve.cluster.request_shape import RequestShape
-from banaserve.router.cache_aware import ApproxRadixTree, common_prefix_len
+from banaserve.router.prefix_tree import ApproxRadixTree, common_prefix_len
+from banaserve.router.request_shape import RequestShape
 
 #: SGLang's HiCache does not look up the store for fewer new tokens than this (its prefetch
 #: threshold), so a handoff of fewer uncached tokens gains nothing.

@@ -1,0 +1,163 @@
+"""The router's view of the cluster: the latest load record per instance, and its own count of
+the work it sent that has not ended.
+
+An instance's record comes from its ``/metrics`` (read by the cluster's poller, which hands the
+text to :meth:`Board.record_poll`), merged with the router's in-flight counts when a policy
+reads it (metrics lag behind a burst by up to one poll; see
+:func:`banaserve.router.load.with_inflight`). An instance whose process exited is out of
+routing until :meth:`Board.revive`; one whose polls failed :data:`FAILURES_BEFORE_DOWN` times
+in a row leaves routing until a later good poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from banaserve.router.load import InstanceLoad, with_inflight
+from banaserve.router.metrics_parse import load_from_metrics
+
+logger = logging.getLogger("banaserve.router")
+
+#: Failed polls in a row after which an instance leaves routing.
+FAILURES_BEFORE_DOWN = 3
+
+
+class Member(Protocol):
+    """What the board needs to know of an instance (the cluster's ``InstanceSpec`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+
+@dataclass
+class _Inflight:
+    requests: int = 0
+    prefill_tokens: int = 0
+
+
+@dataclass
+class InstanceStats:
+    """What the router counted for one instance (monotonic counters)."""
+
+    routed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0  # prompt tokens not served from any cache
+
+
+class Board:
+    """The latest :class:`InstanceLoad` per instance plus the router's in-flight accounting.
+
+    Contract: confined to one thread (the gateway's event loop); nothing is locked and nothing
+    blocks. ``clock`` (monotonic seconds) stamps the records it makes, so a simulator drives it
+    on its own time. Subclasses learn when an instance leaves routing and when it returns
+    through :meth:`_left` and :meth:`_returned` (the gateway wakes the requests waiting on it).
+    """
+
+    def __init__(self, specs: Sequence[Member], clock: Callable[[], float] = time.monotonic):
+        self.specs = specs
+        self.clock = clock
+        self.stats: dict[str, InstanceStats] = defaultdict(InstanceStats)
+        self._inflight: dict[str, _Inflight] = defaultdict(_Inflight)
+        self._failures: dict[str, int] = defaultdict(int)
+        self._dead: set[str] = set()
+        now = clock()
+        self.loads: dict[str, InstanceLoad] = {
+            spec.url: InstanceLoad(url=spec.url, role=spec.role, updated_at=now) for spec in specs
+        }
+
+    def candidates(self, role: str) -> list[InstanceLoad]:
+        """Every instance of ``role``, healthy or not, with the router's in-flight work."""
+        out = []
+        for spec in self.specs:
+            if spec.role != role:
+                continue
+            inflight = self._inflight[spec.url]
+            out.append(
+                with_inflight(self.loads[spec.url], inflight.requests, inflight.prefill_tokens)
+            )
+        return out
+
+    def healthy(self, role: str) -> list[InstanceLoad]:
+        return [load for load in self.candidates(role) if load.healthy]
+
+    def begin(self, url: str, prefill_tokens: int) -> None:
+        """A request was sent to ``url``; ``prefill_tokens`` of its prompt count as queued
+        prefill work there until :meth:`end`."""
+        inflight = self._inflight[url]
+        inflight.requests += 1
+        inflight.prefill_tokens += prefill_tokens
+        self.stats[url].routed += 1
+
+    def end(self, url: str, prefill_tokens: int) -> None:
+        """The request :meth:`begin` booked on ``url`` ended (answered, failed or abandoned)."""
+        inflight = self._inflight[url]
+        inflight.requests -= 1
+        inflight.prefill_tokens -= prefill_tokens
+
+    def inflight_requests(self, url: str) -> int:
+        """Requests sent to ``url`` that have not ended."""
+        return self._inflight[url].requests
+
+    def count_prompt(self, url: str, prompt_tokens: int, cached_tokens: int) -> None:
+        stats = self.stats[url]
+        stats.prompt_tokens += prompt_tokens
+        stats.computed_prompt_tokens += max(0, prompt_tokens - cached_tokens)
+
+    def mark_failed(self, url: str, why: str) -> None:
+        """A request to ``url`` failed to connect: out of routing until a poll succeeds."""
+        self.stats[url].failed += 1
+        if self.loads[url].healthy:
+            logger.warning("%s leaves routing: %s", url, why)
+        self._set_unhealthy(url)
+
+    def mark_dead(self, url: str) -> None:
+        """The process exited: out of routing, polls ignored, until :meth:`revive`."""
+        self._dead.add(url)
+        self._set_unhealthy(url)
+
+    def revive(self, url: str) -> None:
+        """A restarted instance serves again: back in routing at once (its next poll
+        refreshes the load record)."""
+        self._dead.discard(url)
+        self._failures[url] = 0
+        self._returned(url)
+        self.loads[url] = replace(self.loads[url], healthy=True, updated_at=self.clock())
+
+    def record_poll(self, spec: Member, text: str | None, why: str = "") -> None:
+        """One poll of ``spec``'s ``/metrics``: its text, or None and why the poll failed."""
+        url = spec.url
+        if url in self._dead:
+            return
+        if text is None:
+            self._failures[url] += 1
+            if self._failures[url] >= FAILURES_BEFORE_DOWN and self.loads[url].healthy:
+                logger.warning("%s leaves routing: %s", spec.name, why or "no metrics")
+                self._set_unhealthy(url)
+            return
+        if not self.loads[url].healthy:
+            logger.info("%s is back in routing", spec.name)
+            self._returned(url)
+        self._failures[url] = 0
+        self.loads[url] = load_from_metrics(url, spec.role, text, self.clock())
+
+    def _set_unhealthy(self, url: str) -> None:
+        self.loads[url] = replace(self.loads[url], healthy=False)
+        self._left(url)
+
+    def _left(self, url: str) -> None:
+        """``url`` left routing (a hook: the board itself keeps no waiters)."""
+
+    def _returned(self, url: str) -> None:
+        """``url`` is back in routing (a hook)."""

@@ -1,0 +1,117 @@
+"""The one facade the gateway calls for every routing decision: :class:`Router`.
+
+A request's walk: :meth:`Router.plan` (handoff or direct, from the placer), then per step
+:meth:`Router.pick` (an instance of the step's role, booked on the board) and
+:meth:`Router.done` (unbooked, the policy told). The gateway keeps what is not a decision:
+parsing, relaying, racing an instance's death, and retries, which call ``pick`` again with the
+instances already tried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from banaserve.router.base import NoHealthyInstance, Policy, Role
+from banaserve.router.board import Board
+from banaserve.router.load import InstanceLoad
+from banaserve.router.placement import Placement, Placer
+from banaserve.router.request_shape import RequestShape
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One step of a request placed on one instance; hand it back to :meth:`Router.done`."""
+
+    url: str
+    #: The step: ``Role.PREFILL`` (a handoff's prefill) or ``Role.DECODE`` (serving).
+    step: Role
+    #: The chosen instance's role (a serve step may land on a prefill instance).
+    role: Role
+    #: Prompt tokens booked as the instance's queued prefill work until ``done``.
+    prefill_tokens: int
+    #: A serve step on a prefill instance because no decode instance is healthy.
+    fallback: bool = False
+
+
+class Router:
+    """Places requests on the board's instances with one policy per step.
+
+    Contract: confined to one thread (the gateway's event loop), as the board and the placer
+    are; the policies lock their own state. Nothing here blocks or does I/O. Every
+    :meth:`pick` books the request on the board and must be matched by one :meth:`done`.
+    """
+
+    def __init__(
+        self, board: Board, prefill_policy: Policy, decode_policy: Policy, placer: Placer
+    ) -> None:
+        self.board = board
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.placer = placer
+
+    def plan(self, shape: RequestShape) -> Placement:
+        """Handoff or direct, and the prompt recorded as computed (see :class:`Placer`)."""
+        return self.placer.place(shape)
+
+    def prefilled(self, shape: RequestShape) -> None:
+        """The prefill step of a handoff planned for ``shape`` has ended (well or not)."""
+        self.placer.prefilled(shape.prompt)
+
+    def reset(self) -> int:
+        """Forget every computed prompt (the caches were cleared); index characters dropped."""
+        return self.placer.reset()
+
+    def can_prefill(self) -> bool:
+        """Whether any prefill instance is in routing (else a handoff computes on decode)."""
+        return bool(self.board.healthy(Role.PREFILL))
+
+    def pick(
+        self,
+        role: Role,
+        shape: RequestShape,
+        tried: Collection[str] = (),
+        *,
+        only: str | None = None,
+        any_role: bool = False,
+        prefill_tokens: int | None = None,
+    ) -> Pick:
+        """The instance for ``shape``'s next ``role`` step, booked on the board.
+
+        ``Role.PREFILL``: the handoff's prefill step, among the prefill instances.
+        ``Role.DECODE``: the serve step, among the decode instances, and the prefill ones too
+        with ``any_role`` (a short direct request) or ``only``; among the prefill ones when no
+        decode instance is healthy, so the cluster keeps serving. Instances in ``tried`` are
+        skipped; ``only`` allows that one instance alone (a suspect request goes back to the
+        instance that restarted). ``prefill_tokens`` (default: the whole prompt) count as
+        the instance's queued prefill work until :meth:`done`.
+
+        Raises :class:`NoHealthyInstance` when no healthy candidate is left.
+        """
+        role, fallback = Role(role), False
+        if role == Role.PREFILL:
+            pool, policy = self.board.healthy(Role.PREFILL), self.prefill_policy
+        else:
+            pool, policy = self.board.healthy(Role.DECODE), self.decode_policy
+            if any_role or only is not None:
+                pool += self.board.healthy(Role.PREFILL)
+            elif not pool:
+                pool, fallback = self.board.healthy(Role.PREFILL), True
+        candidates = [c for c in pool if allowed(c, tried, only)]
+        if not candidates:
+            raise NoHealthyInstance(str(role), len(pool))
+        chosen = policy.choose(candidates, shape.prompt)
+        tokens = shape.prompt_tokens if prefill_tokens is None else prefill_tokens
+        self.board.begin(chosen.url, tokens)
+        return Pick(chosen.url, role, Role(chosen.role), tokens, fallback)
+
+    def done(self, pick: Pick, shape: RequestShape) -> None:
+        """The step :meth:`pick` placed has ended (answered, failed or abandoned)."""
+        self.board.end(pick.url, pick.prefill_tokens)
+        policy = self.prefill_policy if pick.step == Role.PREFILL else self.decode_policy
+        policy.on_done(pick.url, shape.prompt)
+
+
+def allowed(candidate: InstanceLoad, tried: Collection[str], only: str | None) -> bool:
+    """Whether a retry may go to ``candidate``: ``only`` it, or any instance not yet tried."""
+    return candidate.url == only if only is not None else candidate.url not in tried

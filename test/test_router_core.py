@@ -1,0 +1,166 @@
+"""Unit tests of the routing core's facade and board: the router picks, books and unbooks
+exactly as the gateway relies on, on an injected clock, and imports nothing of the cluster."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import banaserve.router
+from banaserve.router import (
+    Board,
+    NoHealthyInstance,
+    Placer,
+    RequestShape,
+    Role,
+    Router,
+    make_policy,
+)
+
+ROUTER_DIR = Path(banaserve.router.__file__).parent
+FORBIDDEN = ("banaserve.cluster", "aiohttp", "asyncio")
+METRICS = """sglang:num_running_reqs{tp_rank="0"} 3
+sglang:num_queue_reqs{tp_rank="0"} 1
+"""
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    role: str
+    url: str
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+SPECS = [Spec("prefill-0", "prefill", "http://p0"), Spec("prefill-1", "prefill", "http://p1"),
+         Spec("decode-0", "decode", "http://d0")]  # fmt: skip
+
+
+def shape(prompt: str = "hello world", tokens: int = 300) -> RequestShape:
+    return RequestShape("/generate", prompt, tokens, stream=False, max_new_tokens=8)
+
+
+def make_router(policy: str = "load_aware") -> tuple[Router, Board, Clock]:
+    clock = Clock()
+    board = Board(SPECS, clock)
+    router = Router(board, make_policy(policy, Role.PREFILL, clock),
+                    make_policy(policy, Role.DECODE, clock), Placer())  # fmt: skip
+    return router, board, clock
+
+
+def test_router_package_imports_nothing_of_the_cluster_or_asyncio() -> None:
+    offenders = []
+    for path in sorted(ROUTER_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])  # fmt: skip
+            offenders += [f"{path.name}: {n}" for n in names
+                          if any(n == f or n.startswith(f + ".") for f in FORBIDDEN)]  # fmt: skip
+    assert offenders == []
+
+
+def test_role_is_its_name() -> None:
+    assert Role.PREFILL == "prefill" and f"{Role.DECODE}" == "decode"
+    assert Role("mixed") is Role.MIXED
+
+
+def test_pick_books_the_request_until_done() -> None:
+    router, board, _ = make_router()
+    request = shape()
+    pick = router.pick(Role.PREFILL, request)
+    assert pick.step is Role.PREFILL and pick.role is Role.PREFILL
+    assert pick.prefill_tokens == 300
+    assert board.inflight_requests(pick.url) == 1
+    # The booked prompt is queued prefill work: the next prefill goes to the other instance.
+    other = router.pick(Role.PREFILL, shape("another prompt"))
+    assert other.url != pick.url
+    router.done(pick, request)
+    router.done(other, request)
+    assert board.inflight_requests(pick.url) == board.inflight_requests(other.url) == 0
+    assert all(c.queued_prefill_tokens == 0 for c in board.candidates("prefill"))
+
+
+def test_decode_step_skips_tried_and_honours_only() -> None:
+    router, board, _ = make_router()
+    request = shape()
+    first = router.pick(Role.DECODE, request, prefill_tokens=0)
+    assert first.url == "http://d0" and first.step is Role.DECODE and not first.fallback
+    router.done(first, request)
+    with pytest.raises(NoHealthyInstance):
+        router.pick(Role.DECODE, request, tried={"http://d0"})
+    # A suspect request goes back to one (restarted) instance only, whatever its role.
+    back = router.pick(Role.DECODE, request, {"http://d0", "http://p1"}, only="http://p1")
+    assert back.url == "http://p1" and back.role is Role.PREFILL
+    router.done(back, request)
+
+
+def test_short_direct_requests_balance_over_every_instance() -> None:
+    router, _, _ = make_router()
+    picks = [router.pick(Role.DECODE, shape(f"q{i}"), any_role=True, prefill_tokens=10)
+             for i in range(3)]  # fmt: skip
+    assert {p.url for p in picks} == {"http://p0", "http://p1", "http://d0"}
+    assert not any(p.fallback for p in picks)
+
+
+def test_prefill_instances_serve_when_no_decode_instance_is_healthy() -> None:
+    router, board, _ = make_router()
+    board.mark_dead("http://d0")
+    pick = router.pick(Role.DECODE, shape())
+    assert pick.fallback and pick.role is Role.PREFILL and pick.step is Role.DECODE
+    board.mark_dead("http://p0")
+    board.mark_dead("http://p1")
+    assert not router.can_prefill()
+    with pytest.raises(NoHealthyInstance):
+        router.pick(Role.DECODE, shape())
+
+
+def test_done_tells_the_policy_that_picked() -> None:
+    router, _, _ = make_router("cache_aware")
+    request = shape()
+    pick = router.pick(Role.DECODE, request, only="http://p0")  # the decode policy's pick
+    assert router.decode_policy.inflight("http://p0") == 1  # type: ignore[attr-defined]
+    router.done(pick, request)
+    assert router.decode_policy.inflight("http://p0") == 0  # type: ignore[attr-defined]
+    assert router.prefill_policy.inflight("http://p0") == 0  # type: ignore[attr-defined]
+
+
+def test_board_stamps_records_with_its_clock_and_takes_failures_out_of_routing() -> None:
+    board = Board(SPECS, Clock())
+    clock = board.clock
+    assert isinstance(clock, Clock)
+    clock.now = 250.0
+    board.record_poll(SPECS[2], METRICS)
+    load = board.loads["http://d0"]
+    assert (load.running_reqs, load.queued_reqs, load.updated_at) == (3, 1, 250.0)
+    for _ in range(3):
+        board.record_poll(SPECS[2], None, "refused")
+    assert board.healthy("decode") == []
+    board.record_poll(SPECS[2], METRICS)
+    assert [c.url for c in board.healthy("decode")] == ["http://d0"]
+    board.mark_dead("http://d0")
+    board.record_poll(SPECS[2], METRICS)  # a dead instance's poll is ignored
+    assert board.healthy("decode") == []
+    clock.now = 300.0
+    board.revive("http://d0")
+    assert board.loads["http://d0"].healthy and board.loads["http://d0"].updated_at == 300.0
+
+
+def test_plan_and_reset_go_through_the_placer() -> None:
+    router, _, _ = make_router()
+    prompt = "You are a helpful assistant. " * 100
+    first = router.plan(shape(prompt, tokens=700))
+    assert first.handoff
+    router.prefilled(shape(prompt, tokens=700))
+    assert not router.plan(shape(prompt, tokens=700)).handoff  # the prefix is now cached
+    assert router.reset() > 0
+    assert router.plan(shape(prompt, tokens=700)).handoff
