@@ -117,45 +117,20 @@ def bare_linker(client, layers: int, depth: int, rows: int = 64, page: int = 4):
     """A BanaServeLinker on CPU tensors standing in for SGLang's KV pool (no server)."""
     import torch
 
-    from banaserve.kvstore.keys import KvLayout
-    from banaserve.sglang_ext import abort_release
-    from banaserve.sglang_ext.kvstore_linker import BanaServeLayerCounter, BanaServeLinker
+    from banaserve.sglang_ext.kvstore_linker import BanaServeLinker
     from banaserve.sglang_ext.layer_store import LayerWiseStore
+    from banaserve.sglang_ext.linker_kv import device_kv_of
 
-    linker = BanaServeLinker.__new__(BanaServeLinker)
     heads, dim = 2, 8
-    linker.num_layers, linker.page_size, linker.depth = layers, page, depth
-    linker.layout = KvLayout(layers, heads, dim, "float32", page)
-    linker.k_buffers = [torch.zeros(rows, heads, dim) for _ in range(layers)]
-    linker.v_buffers = [torch.zeros(rows, heads, dim) for _ in range(layers)]
-    linker.device = torch.device("cpu")
-    linker.pipeline_device = "cpu"
-    linker.compute_stream = None
-    linker.row_bytes = heads * dim * 4
-    linker.half_bytes = linker.row_bytes * page
-    linker._namespace_digest = os.urandom(32)
-    linker.client = client
-    linker.layer_done_counter = BanaServeLayerCounter(layers)
-    linker.stats = dict.fromkeys(
-        (
-            "lookup_hits",
-            "load_batches",
-            "loaded_pages",
-            "failed_loads",
-            "offloaded_pages",
-            "offloaded_from_capture",
-        ),
-        0,
+    kv = device_kv_of([torch.zeros(rows, heads, dim) for _ in range(layers)],
+                      [torch.zeros(rows, heads, dim) for _ in range(layers)], page)  # fmt: skip
+    layer_store = LayerWiseStore(
+        kv.k_buffers, kv.v_buffers, page_size=page, row_bytes=kv.row_bytes, device="cpu"
     )
-    linker._offloads = 0
-    linker.owner = f"bare-linker-{os.urandom(4).hex()}"
-    linker.lookup_wait_s = 5.0
-    linker._ledger = abort_release.ClaimLedger(linker._release_claims, 30.0)
-    abort_release.register(linker._ledger)
-    linker.layer_store = LayerWiseStore(
-        linker.k_buffers, linker.v_buffers, page_size=page, row_bytes=linker.row_bytes, device="cpu"
-    )
-    return linker
+    return BanaServeLinker.assembled(
+        kv, client, os.urandom(32), owner=f"bare-linker-{os.urandom(4).hex()}",
+        layer_store=layer_store, depth=depth, lookup_wait_s=5.0,
+    )  # fmt: skip
 
 
 def test_layer_wise_round_trip_reuses_staging_slots(store_url: str) -> None:
@@ -168,26 +143,27 @@ def test_layer_wise_round_trip_reuses_staging_slots(store_url: str) -> None:
     layers, page = 7, 4
     with KvStoreClient([store_url], token=TOKEN) as client:
         src = bare_linker(client, layers, depth=2, page=page)
-        for buffer in (*src.k_buffers, *src.v_buffers):
+        for buffer in (*src.kv.k_buffers, *src.kv.v_buffers):
             buffer.copy_(torch.randn_like(buffer))
         hashes = [f"page-{i}" for i in range(3)]
         src_rows = [8, 40, 20]  # scattered device pages
         slots = torch.tensor([r + t for r in src_rows for t in range(page)])
-        assert src._store(PoolTransfer(name=PoolName.KV, device_indices=slots, keys=hashes))
+        transfer = PoolTransfer(name=PoolName.KV, device_indices=slots, keys=hashes)
+        assert src.offloader.store(transfer)
 
         dst = bare_linker(client, layers, depth=2, page=page)
         dst._namespace_digest = src._namespace_digest
         dst_rows = [0, 12, 52]
         batch = dst.layer_done_counter.new_batch()
-        dst._start_batch(batch, dst._keys(hashes), dst_rows)
+        dst.loader.start_batch(batch, dst._keys(hashes), dst_rows)
         dst.layer_done_counter.set_consumer(batch.index)
         for layer in range(layers):  # what attention does: K and V wait on each layer
             dst.layer_done_counter.wait_until(layer)
             dst.layer_done_counter.wait_until(layer)
             for s_row, d_row in zip(src_rows, dst_rows, strict=True):
                 for s_buf, d_buf in (
-                    (src.k_buffers, dst.k_buffers),
-                    (src.v_buffers, dst.v_buffers),
+                    (src.kv.k_buffers, dst.kv.k_buffers),
+                    (src.kv.v_buffers, dst.kv.v_buffers),
                 ):
                     assert torch.equal(
                         d_buf[layer][d_row : d_row + page], s_buf[layer][s_row : s_row + page]
@@ -204,7 +180,7 @@ def test_a_missing_page_fails_the_batch_without_raising_into_the_forward(store_u
     with KvStoreClient([store_url], token=TOKEN) as client:
         linker = bare_linker(client, layers, depth=2)
         batch = linker.layer_done_counter.new_batch()
-        linker._start_batch(batch, linker._keys(["never-stored"]), [0])
+        linker.loader.start_batch(batch, linker._keys(["never-stored"]), [0])
         linker.layer_done_counter.set_consumer(batch.index)
         for layer in range(layers):
             linker.layer_done_counter.wait_until(layer)  # never raises
@@ -212,7 +188,7 @@ def test_a_missing_page_fails_the_batch_without_raising_into_the_forward(store_u
         assert linker.stats["failed_loads"] == 1
         # A batch the forward never waited on is finished (and fails) just the same.
         batch = linker.layer_done_counter.new_batch()
-        linker._start_batch(batch, linker._keys(["never-stored-either"]), [4])
+        linker.loader.start_batch(batch, linker._keys(["never-stored-either"]), [4])
         assert not linker.finish_layer_wise_loading(batch.index)
 
 
@@ -231,17 +207,18 @@ def test_the_offload_puts_the_pages_the_forward_copied(store_url: str) -> None:
     with KvStoreClient([store_url], token=TOKEN) as client:
         linker = bare_linker(client, layers, depth=2, page=page)
         pool = Pool.__new__(Pool)
-        pool.k_buffer, pool.v_buffer = linker.k_buffers, linker.v_buffers
+        pool.k_buffer, pool.v_buffer = linker.kv.k_buffers, linker.kv.v_buffers
         linker.layer_store.attach(pool)
         forward(pool, range(8, 16), seed=1)
         slots = torch.arange(8, 16)
         captured = linker.layer_store.resolve(slots)
         assert all(c is not None for c in captured)
         keys = [f"lw-page-{os.urandom(4).hex()}-{i}" for i in range(2)]
-        assert linker._store(PoolTransfer(PoolName.KV, device_indices=slots, keys=keys), captured)
+        transfer = PoolTransfer(PoolName.KV, device_indices=slots, keys=keys)
+        assert linker.offloader.store(transfer, captured)
         assert linker.stats["offloaded_from_capture"] == 2
         # What the store holds is what a gather from the device rows gives.
-        gathered = linker._gather(slots)
+        gathered = linker.offloader.gather(slots)
         back = [np.empty(gathered[0].numel(), dtype=np.uint8) for _ in keys]
         assert all(client.get(linker._keys(keys), back))
         for p in range(2):
@@ -274,7 +251,9 @@ def test_a_lookup_waits_for_pages_another_instance_claimed(store_url: str) -> No
         slots = torch.arange(0, 3 * page)
         offload = threading.Timer(
             0.5,
-            lambda: prefill._store(PoolTransfer(PoolName.KV, device_indices=slots, keys=hashes)),
+            lambda: prefill.offloader.store(
+                PoolTransfer(PoolName.KV, device_indices=slots, keys=hashes)
+            ),
         )
         offload.start()
         started = time.monotonic()

@@ -18,6 +18,7 @@ from banaserve.server.request_limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     RequestLimits,
 )
+from banaserve.sglang_ext.store_attachment import DEFAULT_COALESCE_WAIT_S
 
 PROG = "python -m banaserve.launch_server"
 KV_STORE_MODES = ("hicache", "linker")
@@ -128,7 +129,7 @@ class KvStoreOptions:
     capacity_gb: float
     tenant: str
     mode: str = "hicache"
-    coalesce_wait_s: float = 30.0
+    coalesce_wait_s: float = DEFAULT_COALESCE_WAIT_S
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KvStoreOptions | None:
@@ -240,10 +241,10 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
     store.add_argument(
         "--kv-store-coalesce-wait-s",
         type=float,
-        default=30.0,
+        default=DEFAULT_COALESCE_WAIT_S,
         help="When a prompt's pages are being computed by another request (on any instance), "
         "wait up to this long for them to reach the store instead of computing them again "
-        "(default: 30; 0 turns coalescing off).",
+        f"(default: {DEFAULT_COALESCE_WAIT_S:g}; 0 turns coalescing off).",
     )
     cluster = parser.add_argument_group("BanaServe cluster")
     cluster.add_argument(

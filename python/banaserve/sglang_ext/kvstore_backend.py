@@ -30,18 +30,23 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from banaserve.kvstore.keys import KvLayout, namespaced_key
 from banaserve.sglang_ext import abort_release, request_context
-from banaserve.sglang_ext.store_attachment import instance_namespace, open_client
+from banaserve.sglang_ext.store_attachment import (
+    CLAIM_LEASE_S,
+    DEFAULT_COALESCE_WAIT_S,
+    instance_namespace,
+    open_client,
+)
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "banaserve"
-#: How long a claim on missing pages holds without the pages arriving: past it, a request
-#: waiting for them computes them itself. Longer than a prefill takes here under load.
-CLAIM_LEASE_S = 60.0
 
 
 def hicache_args(
-    urls: Sequence[str], replication: int = 1, tenant: str = "", coalesce_wait_s: float = 0.0
+    urls: Sequence[str],
+    replication: int = 1,
+    tenant: str = "",
+    coalesce_wait_s: float = DEFAULT_COALESCE_WAIT_S,
 ) -> list[str]:
     """SGLang flags that attach an instance to the store at ``urls``.
 
@@ -86,7 +91,7 @@ class BanaServeKvStore(HiCacheStorage):
         self.config = storage_config
         self.tenant = str(extra.get("tenant", ""))
         self.client = open_client(extra, "the banaserve HiCache backend")
-        self.coalesce_wait_s = float(extra.get("coalesce_wait_s", 0.0))
+        self.coalesce_wait_s = float(extra.get("coalesce_wait_s", DEFAULT_COALESCE_WAIT_S))
         self._owner_prefix = f"{socket.gethostname()}:{os.getpid()}:{storage_config.tp_rank}"
         self._ledger: abort_release.ClaimLedger | None = None
         if self.coalesce_wait_s > 0:

@@ -68,7 +68,7 @@ class Capture:
 
 
 @dataclass
-class StoreStats:
+class LayerStoreStats:
     captured_forwards: int = 0
     captured_pages: int = 0
     skipped_over_budget: int = 0
@@ -128,7 +128,7 @@ class LayerWiseStore:
         self._open: Capture | None = None
         self._next_id = 0
         self._lock = threading.Lock()
-        self.stats = StoreStats()
+        self.stats = LayerStoreStats()
 
     # -- the forward's side ----------------------------------------------------------------
 

@@ -16,6 +16,19 @@ from banaserve.kvstore.keys import KvLayout, Namespace
 if TYPE_CHECKING:
     from banaserve.kvstore.client import KvStoreClient
 
+#: How long a claim on missing pages holds without their PUT, in both adapters: past it, an
+#: instance waiting for the pages computes them itself. Longer than a prefill takes here under
+#: load (a long prompt on a busy CPU instance takes tens of seconds), so a slow prefill is not
+#: computed twice; a lost claim costs nothing more, since an aborted request releases its
+#: claims and a dead process's claims end with its connection.
+CLAIM_LEASE_S = 60.0
+#: How long the HiCache backend waits for pages another request is computing (the CLI's
+#: ``--kv-store-coalesce-wait-s`` default, and the backend's when its extra config says
+#: nothing): long enough to cover a prefill under load. The backend waits on SGLang's
+#: prefetch thread, so only requests still prefetching wait; the linker looks up on the
+#: scheduler thread and bounds its wait far shorter (its ``lookup_wait_s``).
+DEFAULT_COALESCE_WAIT_S = 30.0
+
 
 def open_client(extra: dict[str, Any], who: str) -> KvStoreClient:
     """A client for the shard ``urls`` of ``extra``; the token from ``extra`` or
