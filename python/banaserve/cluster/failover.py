@@ -64,7 +64,13 @@ class FailoverCounters(Protocol):
 
 class Failover:
     """The gateway's failure handling; used on its event loop (no lock). Without ``deaths``
-    (no supervisor: unit tests) every failure is a plain retry elsewhere."""
+    (no supervisor: unit tests) every failure is a plain retry elsewhere.
+
+    Owns nothing but the poison guard; the board and the counters are the gateway's. Its
+    coroutines block their request (never the loop) while the supervisor settles a death:
+    at most ``DEATH_WAIT_S`` to learn whether an instance died, ``RESTART_WAIT_S`` for it to
+    come back.
+    """
 
     def __init__(
         self,

@@ -72,6 +72,9 @@ class InstanceGone(Exception):
 
 @dataclass
 class GatewayCounters:
+    """Monotonic counts of what the gateway did, for ``/cluster`` and ``/metrics``; written
+    on the gateway's event loop only."""
+
     requests: int = 0
     handoffs: int = 0
     direct: int = 0
@@ -89,8 +92,15 @@ class GatewayCounters:
 
 
 class Gateway:
-    """Routes requests. Owns the aiohttp client session, opened and closed with the app
-    (:meth:`app`); every handler runs on that app's event loop, so no state is locked."""
+    """Serves SGLang's API over the cluster's instances: parses, relays, races an instance's
+    death and retries; every routing decision is :attr:`router`'s.
+
+    Owns the aiohttp client session (opened and closed with the app, :meth:`app`), the
+    counters, and the events of handoffs still in their prefill step. Every handler runs on
+    that app's event loop, so no state is locked; the board, the router and the failover are
+    confined to the same loop. Handlers block only on the network (the instances, the
+    store's CLEAR); body decoding and validation run in the intake's worker threads.
+    """
 
     def __init__(
         self,

@@ -51,7 +51,11 @@ class _Record:
 
 
 class PoisonGuard:
-    """Death counts per request digest, and the quarantine they lead to."""
+    """Death counts per request digest, and the quarantine they lead to.
+
+    Owns its table of digests, bounded by :data:`MAX_DIGESTS` and :data:`MEMORY_S`. Confined
+    to the gateway's event loop (no lock); nothing blocks; time comes from ``clock``.
+    """
 
     def __init__(
         self,

@@ -20,6 +20,9 @@ WINDOW_S = 60.0
 
 @dataclass(frozen=True)
 class RestartPolicy:
+    """The backoff and the per-minute cap of restarts (see the module docstring). Immutable
+    and stateless: the caller keeps each child's restart times and passes ``now`` in."""
+
     initial_backoff_s: float = 1.0
     max_backoff_s: float = 60.0
     max_per_minute: int = 4
