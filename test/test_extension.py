@@ -49,7 +49,19 @@ def split_partials(q, k, v, split):
 
 def test_extension_imports():
     assert isinstance(_C.cuda_compiled(), bool)
-    assert _C.cuda_device_count() >= 0
+    count = _C.cuda_device_count()
+    assert isinstance(count, int)
+    if not _C.cuda_compiled():
+        assert count == 0  # no CUDA support: no device, whatever the machine has
+
+
+@needs_torch
+@pytest.mark.skipif(not _C.cuda_compiled(), reason="a build without CUDA sees no device")
+def test_extension_sees_the_devices_torch_sees():
+    import torch
+
+    # Both ask the same CUDA runtime; 0 on a machine without a driver or a device.
+    assert _C.cuda_device_count() == torch.cuda.device_count()
 
 
 @pytest.mark.parametrize(

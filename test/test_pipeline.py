@@ -124,17 +124,24 @@ def test_ordering_from_timestamps(depth: int) -> None:
 
 
 def test_stages_overlap() -> None:
-    """With fetch, compute and store each ~2 ms, they run side by side, not one after another."""
-    n, size = 10, 1 << 16
-    rng = np.random.default_rng(3)
-    host = random_layers(rng, n, size)
-    p, dev, out = ring_pipeline(host, 3, bytes_per_second=size * 4 / 2e-3)
-    start = time.perf_counter()
+    """The fetch of layer i+1 and the store of layer i-1 run while layer i computes: compute
+    holds layer 1 until the pipeline's own timestamps show both copies under way, which a
+    pipeline that ran its stages one after another would never do."""
+    n, size = 6, 1 << 12
+    host = random_layers(np.random.default_rng(3), n, size)
+    p, dev, out = ring_pipeline(host, 3)
     with p:
-        for _ in p.layers():
-            time.sleep(2e-3)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 0.75 * n * 6e-3, f"{elapsed=:.4f} s: stages did not overlap"
+        for i in p.layers():
+            if i == 1:
+                deadline = time.monotonic() + 10
+                # Layer 2's fetch begins and layer 0's store ends while layer 1 computes.
+                while not (p.timestamps()[2, FETCH, START] >= 0
+                           and p.timestamps()[0, STORE, END] >= 0):  # fmt: skip
+                    assert time.monotonic() < deadline, "no copy ran during compute"
+                    time.sleep(1e-3)
+    ts = p.timestamps()
+    assert ts[2, FETCH, START] < ts[1, COMPUTE, END]
+    assert ts[0, STORE, END] < ts[1, COMPUTE, END]
 
 
 def test_ring_bounds_layers_in_flight() -> None:
@@ -298,10 +305,14 @@ def test_gated_fetch_waits_for_source_ready() -> None:
     p, host, dev, out = gated_ring(n, size, depth)
     assert p.gated
     ready_ns = [-1] * n
+    first_computed = threading.Event()
+    waited = []
 
     def reader() -> None:  # models the KV-store reader: bytes land, then source_ready
         for i in range(n):
-            time.sleep(3e-3)
+            if i == n - 1:  # the last layer arrives only once layer 0 has been computed
+                waited.append(first_computed.wait(30))
+            time.sleep(1e-3)  # a fetch that ignored the gate would copy zeros meanwhile
             host[i][:] = ref[i]
             ready_ns[i] = _C.steady_clock_ns()
             assert p.source_ready(i)
@@ -314,14 +325,18 @@ def test_gated_fetch_waits_for_source_ready() -> None:
                 # A fetch that ran before its source was ready would have copied zeros.
                 np.testing.assert_array_equal(dev[i % depth], ref[i])
                 dev[i % depth] += 1.0
+                first_computed.set()
     finally:
+        first_computed.set()
         t.join()
     ts = p.timestamps()
     check_order(ts, depth)
     for i in range(n):
         assert ts[i, FETCH, START] >= ready_ns[i], f"layer {i} fetched before source_ready"
         np.testing.assert_array_equal(out[i], ref[i] + np.float32(1.0))
-    # Layer-wise: compute does not wait for the whole source to arrive.
+    # Layer-wise: compute did not wait for the whole source (the reader held the last layer
+    # back until layer 0 was computed; a pipeline waiting for every layer would have hung).
+    assert waited == [True]
     assert ts[0, COMPUTE, START] < ready_ns[-1]
 
 
@@ -330,12 +345,15 @@ def test_source_failed_reaches_caller() -> None:
     ref = random_layers(np.random.default_rng(22), n, size)
     p, host, dev, out = gated_ring(n, size, 3)
     computed = []
+    third_computed = threading.Event()
 
     def reader() -> None:
         for i in range(3):
             host[i][:] = ref[i]
             p.source_ready(i)
-        time.sleep(5e-3)  # the main thread is blocked in wait_fetched(3) by now (or soon)
+        # Fail layer 3 once layer 2 is computed: the main thread is then on its way to (or
+        # blocked in) wait_fetched(3), which must raise either way.
+        assert third_computed.wait(30)
         assert p.source_failed(3, "store read timed out")
 
     t = threading.Thread(target=reader)
@@ -345,7 +363,10 @@ def test_source_failed_reaches_caller() -> None:
             with p:
                 for i in p.layers():
                     computed.append(i)
+                    if i == 2:
+                        third_computed.set()
     finally:
+        third_computed.set()
         t.join()
     assert computed == [0, 1, 2]
     assert not p.source_ready(3)  # after the failure (and close): ignored
