@@ -4,6 +4,7 @@ and the gateway's fault handling against small real HTTP upstreams on real socke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -27,7 +28,13 @@ from banaserve.launch_server import plan_launch
 from banaserve.router.placement import NoStorePlacer, Placer
 from banaserve.router.policies import POLICY_NAMES, make_policy
 from banaserve.router.request_shape import shape_request
-from banaserve.server.cli import ROUTER_POLICIES, KvStoreOptions, build_parser, drop_flags
+from banaserve.server.cli import (
+    KV_STORE_VALUE_FLAGS,
+    ROUTER_POLICIES,
+    KvStoreOptions,
+    build_parser,
+    drop_flags,
+)
 from banaserve.server.request_validation import CHAT, COMPLETIONS, GENERATE
 from banaserve.utils.processes import free_port
 
@@ -66,6 +73,19 @@ def test_instance_argv_drops_cluster_gateway_and_store_flags() -> None:
                  "--router-policy", "embedded", "9", "0.0.0.0"):  # fmt: skip
         assert not any(a == gone or a.startswith(gone + "=") for a in out), (gone, out)
     assert drop_flags(["--a", "1", "--b"], ("--a",), ("--b",)) == []
+
+
+def test_store_options_reach_an_instance_unchanged() -> None:
+    store = KvStoreOptions(["shm://h:1"], True, None, 2, 2.0, "tenant a", "linker", 7.5)
+    urls = ["shm://h:1", "shm://h:2"]
+    args = build_parser().parse_args(["--model-path", "/m", *store.instance_flags(urls)])
+    assert KvStoreOptions.from_args(args) == dataclasses.replace(store, urls=urls, embedded=False)
+
+
+def test_every_store_flag_is_one_the_cluster_hands_its_instances() -> None:
+    flags = {option for action in build_parser()._actions for option in action.option_strings
+             if option.startswith("--kv-store")}  # fmt: skip
+    assert flags == set(KV_STORE_VALUE_FLAGS)
 
 
 def test_router_policy_names_agree() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from banaserve.platform import cpu_platform_wanted, install
@@ -114,15 +113,12 @@ def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, lis
     """Start the embedded shard if asked; return it and the SGLang flags that attach to the
     store. The token reaches SGLang's children through the environment, not the argv."""
     from banaserve.kvstore import TOKEN_ENV
-    from banaserve.kvstore.embedded import start_embedded_store
+    from banaserve.server.store_start import start_store
 
-    process = None
-    urls, token = options.urls, options.token or os.environ.get(TOKEN_ENV)
-    if options.embedded:
-        log_dir = Path(tempfile.mkdtemp(prefix="banaserve-kvstore-"))
-        process, url, token = start_embedded_store(options.capacity_gb, token, log_dir)
-        urls = [url]
-        logger.info("embedded KV store at %s (log: %s)", url, process.log_path)
+    started = start_store(options)
+    process, urls, token = started.process, started.urls, started.token
+    if process is not None:
+        logger.info("embedded KV store at %s (log: %s)", urls[0], process.log_path)
     if token:
         os.environ[TOKEN_ENV] = token
     logger.info(

@@ -36,6 +36,7 @@ from banaserve.router.placement import NoStorePlacer, Placer
 from banaserve.server.cli import (
     CLUSTER_SWITCHES,
     CLUSTER_VALUE_FLAGS,
+    KV_STORE_VALUE_FLAGS,
     ClusterOptions,
     KvStoreOptions,
     cpu_dtype,
@@ -48,9 +49,8 @@ from banaserve.utils.processes import ChildFailed, ManagedProcess, exit_on_sigte
 
 logger = logging.getLogger("banaserve.cluster")
 
-STORE_VALUE_FLAGS = ("--kv-store", "--kv-store-token", "--kv-store-replication",
-                     "--kv-store-capacity-gb", "--kv-store-tenant", "--kv-store-mode",
-                     "--kv-store-coalesce-wait-s", "--kv-pool-memory-fraction")  # fmt: skip
+#: Flags each instance gets from the cluster, not from the user's argv.
+INSTANCE_VALUE_FLAGS = (*KV_STORE_VALUE_FLAGS, "--kv-pool-memory-fraction")
 GATEWAY_VALUE_FLAGS = ("--host", "--port")
 
 
@@ -61,18 +61,12 @@ def instance_launch_argv(
     """The user's argv for one instance: without cluster, gateway and store flags, attached to
     the cluster's store (none with ``store`` None), with a share of the KV pool memory."""
     out = drop_flags(
-        argv, CLUSTER_VALUE_FLAGS + STORE_VALUE_FLAGS + GATEWAY_VALUE_FLAGS, CLUSTER_SWITCHES
+        argv, CLUSTER_VALUE_FLAGS + INSTANCE_VALUE_FLAGS + GATEWAY_VALUE_FLAGS, CLUSTER_SWITCHES
     )
     if not any(a.split("=", 1)[0] == "--model-path" for a in out):
         out += ["--model-path", model_path]
     if store is not None:
-        out += [
-            "--kv-store", ",".join(urls),
-            "--kv-store-replication", str(store.replication),
-            "--kv-store-tenant", store.tenant,
-            "--kv-store-mode", store.mode,
-            "--kv-store-coalesce-wait-s", str(store.coalesce_wait_s),
-        ]  # fmt: skip
+        out += store.instance_flags(urls)
     out += ["--kv-pool-memory-fraction", str(kv_pool_memory_fraction / instances)]
     return out
 
@@ -115,7 +109,7 @@ def run_cluster(
     ChildFailed when start-up fails and MemoryPlanError, before starting anything, when the
     plan does not fit in host memory."""
     from banaserve.kvstore import TOKEN_ENV
-    from banaserve.kvstore.embedded import start_embedded_store
+    from banaserve.server.store_start import start_store
 
     exit_on_sigterm()  # so a SIGTERM during start-up still stops what was started
     count = options.num_prefill + options.num_decode
@@ -128,16 +122,17 @@ def run_cluster(
     logger.info("cluster logs in %s", log_dir)
     ledger = LeftoverLedger(log_dir / "children.json")
     reaper = Reaper(ledger.path, log_dir / "reaper.log")
-    token = (store.token if store is not None else None) or os.environ.get(TOKEN_ENV)
-    urls = store.urls if store is not None else []
+    token: str | None = None
+    urls: list[str] = []
     store_process: ManagedProcess | None = None
     processes: ClusterProcesses | None = None
     try:
-        if store is not None and store.embedded:
-            store_process, url, token = start_embedded_store(store.capacity_gb, token, log_dir)
+        if store is not None:
+            started = start_store(store, log_dir)
+            urls, token, store_process = started.urls, started.token, started.process
+        if store_process is not None:
             ledger.add_session(store_process.pid)
-            urls = [url]
-            logger.info("embedded KV store at %s (pid %d)", url, store_process.pid)
+            logger.info("embedded KV store at %s (pid %d)", urls[0], store_process.pid)
         processes = ClusterProcesses(log_dir, store_process)
         cores = plan_cores(count, sorted(os.sched_getaffinity(0))) if options.cpu_affinity else None
         ports: set[int] = set()

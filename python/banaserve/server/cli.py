@@ -9,6 +9,7 @@ the SGLang flags with BanaServe's defaults filled in.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from banaserve.cluster.restart_policy import RestartPolicy
@@ -25,6 +26,10 @@ KV_STORE_MODES = ("hicache", "linker")
 #: ``--kv-store`` values that are not shard URLs: start one shard here / attach no store.
 KV_STORE_EMBEDDED = "embedded"
 KV_STORE_NONE = "none"
+#: Every ``--kv-store*`` flag that takes a value (a test checks the parser has no other).
+KV_STORE_VALUE_FLAGS = ("--kv-store", "--kv-store-token", "--kv-store-replication",
+                        "--kv-store-capacity-gb", "--kv-store-tenant", "--kv-store-mode",
+                        "--kv-store-coalesce-wait-s")  # fmt: skip
 #: The dtype BanaServe's CPU defaults run a model in when ``--dtype`` is SGLang's "auto":
 #: on SGLang's CPU engine SmolLM2-135M decodes at 11 tok/s in float32, 4.3 in bfloat16 (its
 #: checkpoint's dtype, which "auto" would pick).
@@ -130,6 +135,18 @@ class KvStoreOptions:
     tenant: str
     mode: str = "hicache"
     coalesce_wait_s: float = DEFAULT_COALESCE_WAIT_S
+
+    def instance_flags(self, urls: Sequence[str]) -> list[str]:
+        """The flags that attach one instance of a cluster to the store at ``urls``, which
+        :meth:`from_args` reads back into these options (with those urls, not embedded). No
+        token: it travels in the instance's environment, never its argv."""
+        return [
+            "--kv-store", ",".join(urls),
+            "--kv-store-replication", str(self.replication),
+            "--kv-store-tenant", self.tenant,
+            "--kv-store-mode", self.mode,
+            "--kv-store-coalesce-wait-s", repr(self.coalesce_wait_s),
+        ]  # fmt: skip
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KvStoreOptions | None:
