@@ -84,7 +84,13 @@ def _segments(pointers: Sequence[int], sizes: Sequence[int]) -> list[memoryview]
 
 class BanaServeKvStore(HiCacheStorage):
     """HiCache storage backed by BanaServe's store; called from SGLang's prefetch and backup
-    threads at once (the client is thread-safe)."""
+    threads at once (the client is thread-safe).
+
+    Owns its store client and, with coalescing on, a claim ledger. The host pool's memory is
+    SGLang's: pages are read from and written into it in place, valid for the call. Lookups
+    block their (prefetch) thread for up to ``coalesce_wait_s`` on pages another request is
+    computing; gets and puts block on the store.
+    """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any]) -> None:
         extra = storage_config.extra_config or {}

@@ -92,6 +92,10 @@ def whole_pages(loc: np.ndarray, page_size: int) -> np.ndarray:
 class LayerWiseStore:
     """Captures each forward's whole pages layer by layer (see the module docstring).
 
+    Owns the captures' host buffers (within ``budget_bytes``; the oldest go first) and one
+    store-only pipeline per capturing forward; the KV buffers are the pool's. Page tables
+    under one lock; the forward blocks only for its last layer's copy.
+
     Args:
         k_buffers, v_buffers: the KV pool's per-layer buffers, rows of ``row_bytes``.
         page_size: tokens per page (store pages are whole device pages).
