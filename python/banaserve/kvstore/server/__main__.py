@@ -1,0 +1,5 @@
+"""``python -m banaserve.kvstore.server``: one store shard (see ``--help``)."""
+
+from banaserve.kvstore.server.cli import main
+
+main()
