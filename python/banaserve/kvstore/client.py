@@ -30,11 +30,10 @@ from banaserve.kvstore.client_args import (
     check_keys,
     check_range,
     chunks,
-    length_check,
-    lookup_check,
     page_views,
 )
 from banaserve.kvstore.keys import KvLayout
+from banaserve.kvstore.op_specs import reply_check
 from banaserve.kvstore.protocol import (
     MAX_LEASE_MS,
     MAX_OWNER_CHARS,
@@ -158,7 +157,7 @@ class KvStoreClient:
                 reply = shard.call(
                     Op.EXISTS,
                     {"keys": [keys[i] for i in chunk]},
-                    check=length_check("present", len(chunk), Op.EXISTS),
+                    check=reply_check(Op.EXISTS, len(chunk)),
                 )
                 out += reply["present"]
             return out
@@ -227,7 +226,7 @@ class KvStoreClient:
                 reply = shard.call(
                     Op.LOOKUP,
                     control,
-                    check=lookup_check(len(chunk)),
+                    check=reply_check(Op.LOOKUP, len(chunk)),
                     timeout=shard.timeout + left,
                 )
                 out += reply["present"]
@@ -281,7 +280,7 @@ class KvStoreClient:
                 reply = shard.call(
                     Op.RELEASE,
                     {"keys": [keys[i] for i in chunk], "owner": owner},
-                    check=length_check("released", len(chunk), Op.RELEASE),
+                    check=reply_check(Op.RELEASE, len(chunk)),
                 )
                 out += reply["released"]
             return out
@@ -327,7 +326,7 @@ class KvStoreClient:
                 }
 
                 def sink(reply: dict[str, Any], chunk: list[int] = chunk) -> list[memoryview]:
-                    length_check("sizes", len(chunk), Op.GET)(reply)
+                    reply_check(Op.GET, len(chunk))(reply)
                     sizes = reply["sizes"]
                     targets = []
                     for i, size in zip(chunk, sizes, strict=True):
@@ -386,7 +385,7 @@ class KvStoreClient:
                     Op.PUT,
                     control,
                     [view for i in chunk for view in pages[i]],
-                    check=length_check("stored", len(chunk), Op.PUT),
+                    check=reply_check(Op.PUT, len(chunk)),
                 )
                 out += reply["stored"]
             return out
@@ -422,7 +421,7 @@ class KvStoreClient:
         """
 
         def one(shard: Shard, _: None) -> int:
-            return int(shard.call(Op.CLEAR, {})["dropped"])  # a count >= 0: validate_reply
+            return int(shard.call(Op.CLEAR, {})["dropped"])  # a count >= 0: OP_SPECS
 
         results = self._fan_out({i: None for i in range(len(self._shards))}, one)
         missed = [f"{self._shards[i].url} ({self._shards[i].last_error or 'unreachable'})"

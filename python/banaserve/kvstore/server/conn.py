@@ -20,6 +20,7 @@ from typing import Any
 
 from banaserve.kvstore.admission import Admission, ByteBudget, Ticket, request_buffer
 from banaserve.kvstore.auth import OPEN, Grant, map_control_keys
+from banaserve.kvstore.op_specs import validate_request
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     ErrorCode,
@@ -30,7 +31,6 @@ from banaserve.kvstore.protocol import (
     decode_header,
     encode_error,
     unpack_control,
-    validate_request,
 )
 from banaserve.kvstore.server.shm import attach
 from banaserve.kvstore.transport import aio

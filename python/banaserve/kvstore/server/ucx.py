@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 
 from banaserve.kvstore.admission import Admission, Ticket, request_buffer
 from banaserve.kvstore.auth import map_control_keys
+from banaserve.kvstore.op_specs import payload_segments, validate_request
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     ErrorCode,
@@ -62,7 +63,6 @@ from banaserve.kvstore.protocol import (
     decode_header,
     encode_head,
     unpack_control,
-    validate_request,
 )
 from banaserve.kvstore.server.ops import ServerConfig, StoreOps
 from banaserve.kvstore.server.ucx_conn import UcxConn, settle
@@ -77,7 +77,6 @@ from banaserve.kvstore.transport.ucx import (
     check_request,
     import_libucxx,
     new_worker,
-    payload_segments,
     tag,
 )
 
