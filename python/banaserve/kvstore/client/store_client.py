@@ -1,4 +1,4 @@
-"""The KV store client: pages by key over a sharded, replicated set of store servers.
+"""The KV store client itself: pages by key over a sharded, replicated set of store servers.
 
 Failure model: a shard that cannot be reached (refused, reset, timed out, broken replies) is
 marked down and retried after :attr:`KvStoreClient.RETRY_AFTER_S` (doubling while it stays
@@ -20,18 +20,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
-from banaserve.kvstore.client_args import (
-    byte_view,
+from banaserve.kvstore.client.buffers import (
     check_keys,
     check_range,
     chunks,
     page_views,
 )
+from banaserve.kvstore.client.replicas import ReplicaRounds, live_replicas
+from banaserve.kvstore.client.shard import Shard, fan_out
 from banaserve.kvstore.keys import KvLayout
 from banaserve.kvstore.op_specs import reply_check
 from banaserve.kvstore.protocol import (
@@ -42,24 +42,15 @@ from banaserve.kvstore.protocol import (
     Op,
     ProtocolError,
 )
-from banaserve.kvstore.shard import Shard, fan_out
 from banaserve.kvstore.sharding import HashRing
 from banaserve.kvstore.transport import (
-    KvStoreAuthError,
     KvStoreError,
-    KvStoreRemoteError,
     parse_url,
 )
 
 logger = logging.getLogger("banaserve.kvstore.client")
 
-__all__ = [
-    "KvStoreAuthError",
-    "KvStoreClient",
-    "KvStoreError",
-    "KvStoreRemoteError",
-    "byte_view",
-]
+__all__ = ["KvStoreClient"]
 
 T = TypeVar("T")
 
@@ -237,27 +228,18 @@ class KvStoreClient:
             return self._shards[s].available() and self._lookup_shards[s].available()
 
         present = [False] * len(keys)
-        replicas = [self._ring.replica_indices(key, self.replication) for key in keys]
-        tried = [0] * len(keys)
+        rounds = ReplicaRounds(self._ring, keys, self.replication)
         pending = list(range(len(keys)))
-        # Round k sends each key to its k-th live replica; only keys whose shard failed in
-        # this call go round again (a shard that just died must not turn a hit on its
-        # replica into a miss).
+        # Only keys whose shard failed in this call go round again (a shard that just died
+        # must not turn a hit on its replica into a miss).
         while pending:
-            groups: dict[int, list[int]] = defaultdict(list)
-            for i in sorted(pending):
-                order = replicas[i]
-                while tried[i] < len(order) and not live(order[tried[i]]):
-                    tried[i] += 1
-                if tried[i] < len(order):
-                    groups[order[tried[i]]].append(i)
-                    tried[i] += 1
+            groups = rounds.next_round(sorted(pending), live)
             pending = []
             for s, result in self._fan_out(
                 groups, ask, self._lookup_shards, self._lookup_pool
             ).items():
                 if result is None:
-                    pending += [i for i in groups[s] if tried[i] < len(replicas[i])]
+                    pending += [i for i in groups[s] if rounds.left(i)]
                     continue
                 for i, hit in zip(groups[s], result, strict=False):
                     present[i] = hit
@@ -267,12 +249,13 @@ class KvStoreClient:
         """End ``owner``'s claims on ``keys`` (a computation given up), so that waiters stop
         waiting and compute them. True where a claim was ended; a down shard's keys: False."""
         keys = check_keys(keys)
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, key in enumerate(keys):
-            for s in self._ring.replica_indices(key, self.replication):
-                if self._lookup_shards[s].available():
-                    groups[s].append(i)
-                    break
+        groups = live_replicas(
+            self._ring,
+            keys,
+            self.replication,
+            self._available(self._lookup_shards),
+            first_only=True,
+        )
 
         def ask(shard: Shard, idx: list[int]) -> list[bool]:
             out: list[bool] = []
@@ -371,11 +354,9 @@ class KvStoreClient:
         keys = check_keys(keys)
         pages = page_views(buffers, len(keys), writable=False)
         sizes = [sum(v.nbytes for v in page) for page in pages]
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, key in enumerate(keys):
-            for s in self._ring.replica_indices(key, self.replication):
-                if self._shards[s].available():
-                    groups[s].append(i)
+        groups = live_replicas(
+            self._ring, keys, self.replication, self._available(self._shards), first_only=False
+        )
 
         def store(shard: Shard, idx: list[int]) -> list[bool]:
             out: list[bool] = []
@@ -457,18 +438,11 @@ class KvStoreClient:
         Round k sends every unresolved key to its next live replica, one batch per shard.
         """
         found = [False] * len(keys)
-        replicas = [self._ring.replica_indices(key, self.replication) for key in keys]
-        tried = [0] * len(keys)
+        rounds = ReplicaRounds(self._ring, keys, self.replication)
+        live = self._available(self._shards)
         pending = list(range(len(keys)))
         while pending:
-            groups: dict[int, list[int]] = defaultdict(list)
-            for i in pending:
-                order = replicas[i]
-                while tried[i] < len(order) and not self._shards[order[tried[i]]].available():
-                    tried[i] += 1
-                if tried[i] < len(order):
-                    groups[order[tried[i]]].append(i)
-                    tried[i] += 1
+            groups = rounds.next_round(pending, live)
             if not groups:
                 break
             pending = []
@@ -476,9 +450,13 @@ class KvStoreClient:
                 for j, i in enumerate(groups[s]):
                     if result is not None and result[j]:
                         found[i] = True
-                    elif tried[i] < len(replicas[i]):
+                    elif rounds.left(i):
                         pending.append(i)
         return found
+
+    @staticmethod
+    def _available(shards: list[Shard]) -> Callable[[int], bool]:
+        return lambda s: shards[s].available()
 
     def _fan_out(
         self,

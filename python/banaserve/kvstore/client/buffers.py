@@ -1,5 +1,6 @@
-"""The client's argument checks, the byte views of callers' buffers, and how a batch is split
-into frames. Pure: nothing here does I/O or keeps a reference to a buffer."""
+"""The client's buffer helpers: the caller's keys and buffers checked and seen as byte views,
+and how a batch is split into frames. Pure: nothing here does I/O or keeps a reference to a
+buffer."""
 
 from __future__ import annotations
 
