@@ -138,6 +138,8 @@ class IntList:
 
 @dataclass(frozen=True)
 class BoolList:
+    """A required list of bools."""
+
     name: str
 
     def check(self, control: Control, op: Op, limits: Limits) -> None:
@@ -240,6 +242,8 @@ class Side:
 
 @dataclass(frozen=True)
 class OpSpec:
+    """What one op's request and reply carry."""
+
     #: None: a reply-only op (ERROR).
     request: Side | None
     reply: Side

@@ -134,6 +134,8 @@ class Limits:
 
 @dataclass(frozen=True)
 class Header:
+    """A decoded frame header, its lengths already within :class:`Limits`."""
+
     op: Op
     request_id: int
     control_len: int

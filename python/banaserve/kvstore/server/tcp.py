@@ -30,8 +30,9 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from banaserve.kvstore.admission import MAX_TURNING_AWAY, Admission
 from banaserve.kvstore.claims import ClaimTable
@@ -58,6 +59,8 @@ __all__ = ["SHM_CHUNK_BYTES", "KvStoreServer", "ServerConfig"]
 logger = logging.getLogger("banaserve.kvstore.server")
 
 _NO_BYTES = memoryview(b"")
+
+T = TypeVar("T")
 
 
 class _StoreFailure(Exception):
@@ -339,7 +342,7 @@ class KvStoreServer:
         loop = asyncio.get_running_loop()
         self.ops.counters["bytes_out"] += await aio.send_views(loop, conn.sock, [frame])
 
-    async def _in_store(self, fn: Any, *args: Any) -> Any:
+    async def _in_store(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         try:
             if self.config.store_inline:
