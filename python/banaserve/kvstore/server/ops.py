@@ -127,10 +127,12 @@ CLAIM_COUNTERS = (
 class StoreOps:
     """The handlers of one listener over ``store`` (the caller's) and ``claims``.
 
-    Owns the listener's counters and its STATS report. Confined to the thread that serves the
-    listener (the TCP server's event loop, or the ucx:// listener's thread), as is ``claims``.
-    ``store`` is thread-safe and is only ever called through ``in_store``, which may block on
-    disk; handlers suspend only there and while a LOOKUP waits for a claimed key.
+    Owns the listener's counters (the transport adds its frames and bytes to
+    :attr:`counters`) and its STATS report. Confined to the thread that serves the listener
+    (the TCP server's event loop, or the ucx:// listener's thread), as is ``claims``.
+    ``store`` is thread-safe; every call of it that may wait on disk goes through
+    ``in_store`` (only ``stats()``, a read of counters, is made directly). Handlers suspend
+    only in ``in_store`` and while a LOOKUP waits for a claimed key.
 
     ``claims``: the in-flight claim table, or None where the listener offers no claims (a
     LOOKUP is then an EXISTS that claims nothing, a RELEASE releases nothing, a CLEAR drops
