@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from banaserve.kvstore import hostile, server_conn
+from banaserve.kvstore import hostile
 from banaserve.kvstore import hostile_patterns as patterns
 from banaserve.kvstore.admission import (
     PRE_AUTH_CONTROL_BYTES,
@@ -33,7 +33,8 @@ from banaserve.kvstore.auth import Authenticator, Grant, load_tenant_tokens
 from banaserve.kvstore.client import KvStoreAuthError, KvStoreClient
 from banaserve.kvstore.protocol import ErrorCode, ProtocolError
 from banaserve.kvstore.server import ServerConfig
-from banaserve.kvstore.server_cli import exposure_problems, is_loopback
+from banaserve.kvstore.server import conn as server_conn
+from banaserve.kvstore.server.cli import exposure_problems, is_loopback
 from banaserve.kvstore.storage import TieredStore
 from test_kvstore_server import InProcessServer
 

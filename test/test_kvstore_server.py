@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from banaserve.kvstore import hostile
-from banaserve.kvstore import server as server_module
 from banaserve.kvstore.client import (
     KvStoreAuthError,
     KvStoreClient,
@@ -32,6 +31,7 @@ from banaserve.kvstore.framing import Frame, FrameDecoder
 from banaserve.kvstore.keys import KvLayout
 from banaserve.kvstore.protocol import HEADER, MAGIC, PROTOCOL_VERSION, Op, encode_frame
 from banaserve.kvstore.server import KvStoreServer, ServerConfig
+from banaserve.kvstore.server import tcp as server_module
 from banaserve.kvstore.storage import PageStore, TieredStore
 from banaserve.kvstore.transport import open_transport, parse_url, shm
 from banaserve.kvstore.transport.tcp import TcpTransport

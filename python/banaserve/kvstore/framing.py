@@ -1,11 +1,13 @@
 """Decoding a byte stream into whole validated frames, without I/O (tests, fuzzers, and tools
-that speak the protocol on raw sockets). The checks are :mod:`banaserve.kvstore.protocol`'s."""
+that speak the protocol on raw sockets). The checks are :mod:`banaserve.kvstore.protocol`'s and
+:mod:`banaserve.kvstore.op_specs`'."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from banaserve.kvstore.op_specs import validate_reply, validate_request
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     Header,
@@ -14,8 +16,6 @@ from banaserve.kvstore.protocol import (
     ProtocolError,
     decode_header,
     unpack_control,
-    validate_reply,
-    validate_request,
 )
 
 _LIMITS = Limits()

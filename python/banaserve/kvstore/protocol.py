@@ -12,9 +12,10 @@ and a control map is checked against its op's schema (types, 32-byte keys, list 
 payload length it implies) before the payload is read. So a peer learns how many bytes to
 expect, and where they go, from a control map that is already known to be well formed.
 
-Everything here is pure (bytes in, values or :class:`ProtocolError` out), so it can be fuzzed;
-the server, the transports and :class:`~banaserve.kvstore.framing.FrameDecoder` all validate
-through the same functions.
+Each op's control maps are checked against its entry in
+:data:`banaserve.kvstore.op_specs.OP_SPECS`. Everything here and there is pure (bytes in,
+values or :class:`ProtocolError` out), so it can be fuzzed; the server, the transports and
+:class:`~banaserve.kvstore.framing.FrameDecoder` all validate through the same functions.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-
-from banaserve.kvstore.keys import KEY_BYTES
 
 MAGIC = b"BKVS"
 PROTOCOL_VERSION = 1
@@ -135,6 +134,8 @@ class Limits:
 
 @dataclass(frozen=True)
 class Header:
+    """A decoded frame header, its lengths already within :class:`Limits`."""
+
     op: Op
     request_id: int
     control_len: int
@@ -230,224 +231,3 @@ def unpack_control(data: bytes | bytearray | memoryview) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ProtocolError(f"control must be a map, got {type(value).__name__}")
     return value
-
-
-def _field(control: dict[str, Any], name: str, kind: type | tuple[type, ...], op: Op) -> Any:
-    if name not in control:
-        raise ProtocolError(f"{op.name}: missing field {name!r}")
-    value = control[name]
-    # bool is an int in Python; a flag is never a count and a count is never a flag.
-    if isinstance(value, bool) and kind in (int, (int,)):
-        raise ProtocolError(f"{op.name}: field {name!r} must be int, got bool")
-    if not isinstance(value, kind):
-        want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise ProtocolError(f"{op.name}: field {name!r} must be {want}, got {type(value).__name__}")
-    return value
-
-
-def _keys(control: dict[str, Any], op: Op) -> list[bytes]:
-    keys = _field(control, "keys", list, op)
-    if len(keys) > MAX_KEYS_PER_FRAME:
-        raise ProtocolError(f"{op.name}: {len(keys)} keys over {MAX_KEYS_PER_FRAME} per frame")
-    for i, key in enumerate(keys):
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            what = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
-            raise ProtocolError(f"{op.name}: key {i} must be {KEY_BYTES} bytes, got {what}")
-    return keys
-
-
-def _int_list(control: dict[str, Any], name: str, n: int, lo: int, op: Op) -> list[int]:
-    values = _field(control, name, list, op)
-    if len(values) != n:
-        raise ProtocolError(f"{op.name}: {name!r} has {len(values)} entries for {n} keys")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ProtocolError(f"{op.name}: {name!r} entries must be ints >= {lo}, got {v!r}")
-    return values
-
-
-def _bool_list(control: dict[str, Any], name: str, op: Op) -> list[bool]:
-    values = _field(control, name, list, op)
-    if not all(isinstance(v, bool) for v in values):
-        raise ProtocolError(f"{op.name}: {name!r} entries must be bools")
-    return values
-
-
-def _flag(control: dict[str, Any], name: str, op: Op) -> bool:
-    return bool(_field(control, name, bool, op)) if name in control else False
-
-
-def _bounded_int(control: dict[str, Any], name: str, lo: int, hi: int, op: Op) -> int:
-    value = _field(control, name, int, op)
-    if not lo <= value <= hi:
-        raise ProtocolError(f"{op.name}: {name!r} must be in [{lo}, {hi}], got {value}")
-    return value
-
-
-def _owner(control: dict[str, Any], op: Op) -> str:
-    owner = _field(control, "owner", str, op)
-    if not 0 < len(owner) <= MAX_OWNER_CHARS:
-        raise ProtocolError(
-            f"{op.name}: 'owner' must be 1 to {MAX_OWNER_CHARS} characters, got {len(owner)}"
-        )
-    return owner
-
-
-def payload_bytes(op: Op, control: dict[str, Any], *, reply: bool) -> int:
-    """Payload bytes a validated control map implies, wherever they travel (socket or shm).
-
-    A PUT request carries ``sum(sizes)``; a GET reply carries the sum of the sizes of the keys
-    it found. Every other frame carries none.
-    """
-    if op is Op.PUT and not reply:
-        return sum(control["sizes"])
-    if op is Op.GET and reply:
-        return sum(s for s in control["sizes"] if s > 0)
-    return 0
-
-
-def _no_payload(op: Op, payload_len: int) -> None:
-    if payload_len:
-        raise ProtocolError(f"{op.name} carries no payload, header declares {payload_len} bytes")
-
-
-def _payload_matches(op: Op, payload_len: int, declared: int, in_shm: bool) -> None:
-    expected = 0 if in_shm else declared
-    if payload_len != expected:
-        where = " (the bytes are in shared memory)" if in_shm else ""
-        raise ProtocolError(
-            f"{op.name}: header declares {payload_len} payload bytes, control {expected}{where}"
-        )
-
-
-def validate_request(
-    header: Header, control: dict[str, Any], limits: Limits = Limits()
-) -> dict[str, Any]:
-    """Check a request's control map against its op's schema and the header's payload length.
-
-    Returns ``control`` unchanged. After this returns, every key is 32 bytes, every list has
-    one entry per key, and the payload length is exactly what the control map implies.
-    """
-    op = header.op
-    if header.is_reply:
-        raise ProtocolError(f"expected a request, got a reply ({op.name})")
-    if op is Op.HELLO:
-        _no_payload(op, header.payload_len)
-        _field(control, "version", int, op)
-        token = control.get("token")
-        if token is not None and not isinstance(token, str):
-            raise ProtocolError("HELLO: field 'token' must be str or nil")
-        if control.get("shm") is not None:
-            _shm_spec(_field(control, "shm", dict, op), op, limits)
-    elif op is Op.SHM_ATTACH:
-        _no_payload(op, header.payload_len)
-        _shm_spec(control, op, limits)
-    elif op is Op.EXISTS:
-        _no_payload(op, header.payload_len)
-        _keys(control, op)
-    elif op is Op.GET:
-        _no_payload(op, header.payload_len)
-        keys = _keys(control, op)
-        lengths = _int_list(control, "lengths", len(keys), 0, op)
-        byte_range = control.get("range")
-        if byte_range is not None:
-            if (
-                not isinstance(byte_range, list)
-                or len(byte_range) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int) for v in byte_range)
-                or byte_range[0] < 0
-                or byte_range[1] <= 0
-            ):
-                raise ProtocolError(
-                    f"GET: 'range' must be [offset >= 0, length > 0], got {byte_range!r}"
-                )
-        _flag(control, "shm", op)
-        if sum(lengths) > limits.max_payload:
-            raise ProtocolError(
-                f"GET of {sum(lengths)} bytes over the payload limit {limits.max_payload}",
-                ErrorCode.TOO_LARGE,
-            )
-    elif op is Op.PUT:
-        keys = _keys(control, op)
-        sizes = _int_list(control, "sizes", len(keys), 0, op)
-        total = sum(sizes)
-        if total > limits.max_payload:
-            raise ProtocolError(
-                f"PUT of {total} bytes over the payload limit {limits.max_payload}",
-                ErrorCode.TOO_LARGE,
-            )
-        _payload_matches(op, header.payload_len, total, _flag(control, "shm", op))
-    elif op in (Op.STATS, Op.CLEAR):
-        _no_payload(op, header.payload_len)
-    elif op is Op.LOOKUP:
-        _no_payload(op, header.payload_len)
-        _keys(control, op)
-        _owner(control, op)
-        _bounded_int(control, "wait_ms", 0, MAX_WAIT_MS, op)
-        _bounded_int(control, "lease_ms", 1, MAX_LEASE_MS, op)
-        _field(control, "claim", bool, op)
-    elif op is Op.RELEASE:
-        _no_payload(op, header.payload_len)
-        _keys(control, op)
-        _owner(control, op)
-    else:  # pragma: no cover - decode_header only lets known ops through
-        raise ProtocolError(f"unknown op {op}")
-    return control
-
-
-def _shm_spec(spec: dict[str, Any], op: Op, limits: Limits) -> None:
-    name = _field(spec, "name", str, op)
-    size = _field(spec, "size", int, op)
-    if not name or len(name) > MAX_SHM_NAME or "/" in name.lstrip("/"):
-        raise ProtocolError(f"{op.name}: bad shared-memory name {name!r}")
-    if not 0 < size <= limits.max_payload:
-        raise ProtocolError(
-            f"{op.name}: shared-memory size {size} outside (0, {limits.max_payload}]"
-        )
-
-
-def validate_reply(
-    header: Header, control: dict[str, Any], limits: Limits = Limits()
-) -> dict[str, Any]:
-    """Check a reply's control map; the client checks list lengths against its own request."""
-    op = header.op
-    if not header.is_reply:
-        raise ProtocolError(f"expected a reply, got a request ({op.name})")
-    if op is Op.ERROR:
-        _no_payload(op, header.payload_len)
-        _field(control, "code", str, op)
-        _field(control, "message", str, op)
-    elif op is Op.HELLO:
-        _no_payload(op, header.payload_len)
-        _field(control, "version", int, op)
-        _field(control, "max_payload", int, op)
-    elif op is Op.EXISTS:
-        _no_payload(op, header.payload_len)
-        _bool_list(control, "present", op)
-    elif op is Op.GET:
-        sizes = _field(control, "sizes", list, op)
-        _int_list(control, "sizes", len(sizes), MISSING, op)
-        declared = payload_bytes(op, control, reply=True)
-        _payload_matches(op, header.payload_len, declared, _flag(control, "shm", op))
-    elif op is Op.PUT:
-        _no_payload(op, header.payload_len)
-        _bool_list(control, "stored", op)
-    elif op is Op.STATS:
-        _no_payload(op, header.payload_len)
-        _field(control, "store", dict, op)
-        _field(control, "server", dict, op)
-    elif op is Op.SHM_ATTACH:
-        _no_payload(op, header.payload_len)
-    elif op is Op.LOOKUP:
-        _no_payload(op, header.payload_len)
-        present = _bool_list(control, "present", op)
-        claimed = _bool_list(control, "claimed", op)
-        if len(present) != len(claimed):
-            raise ProtocolError(f"LOOKUP: {len(present)} 'present' but {len(claimed)} 'claimed'")
-    elif op is Op.RELEASE:
-        _no_payload(op, header.payload_len)
-        _bool_list(control, "released", op)
-    elif op is Op.CLEAR:
-        _no_payload(op, header.payload_len)
-        _bounded_int(control, "dropped", 0, 2**63 - 1, op)
-    return control

@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from multiprocessing import shared_memory
 from typing import Any
 
-from banaserve.kvstore.protocol import Op, ProtocolError, payload_bytes
+from banaserve.kvstore.op_specs import payload_bytes
+from banaserve.kvstore.protocol import Op, ProtocolError
 from banaserve.kvstore.transport.base import Address, Sink
 from banaserve.kvstore.transport.tcp import TcpTransport, _sink_targets
 

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
+from banaserve.kvstore.op_specs import validate_reply
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     ErrorCode,
@@ -18,7 +19,6 @@ from banaserve.kvstore.protocol import (
     decode_header,
     encode_head,
     unpack_control,
-    validate_reply,
 )
 from banaserve.kvstore.transport.base import (
     Address,

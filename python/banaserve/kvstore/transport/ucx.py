@@ -13,9 +13,9 @@ connection id and the kind (:func:`tag`)::
 
 Payload segments are canonical so that both sides post receives of the right sizes: one per
 nonzero entry of the PUT request's ``sizes`` or of the GET reply's ``sizes``
-(:func:`payload_segments`). A segment that falls inside one caller buffer goes straight from or
-into it (zero copy); one that spans several buffers (a page given as several segments) goes
-through a bounce buffer.
+(:func:`banaserve.kvstore.op_specs.payload_segments`). A segment that falls inside one caller
+buffer goes straight from or into it (zero copy); one that spans several buffers (a page given
+as several segments) goes through a bounce buffer.
 
 UCX tag matching is per worker, not per endpoint, so a server tells its connections apart by a
 random 56-bit connection id in every tag. The server sends that id first (:data:`Kind.HANDSHAKE`)
@@ -38,6 +38,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from banaserve.kvstore.op_specs import payload_segments, validate_reply
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     Limits,
@@ -46,7 +47,6 @@ from banaserve.kvstore.protocol import (
     decode_header,
     encode_head,
     unpack_control,
-    validate_reply,
 )
 from banaserve.kvstore.transport.base import Address, KvStoreError, Sink, Transport
 from banaserve.kvstore.transport.tcp import _remote_error
@@ -82,13 +82,6 @@ class Kind(enum.IntEnum):
 
 def tag(conn_id: int, kind: Kind) -> int:
     return (conn_id << KIND_BITS) | int(kind)
-
-
-def payload_segments(op: Op, control: dict[str, Any], *, reply: bool) -> list[int]:
-    """Sizes of the payload messages of a validated frame (see the module docstring)."""
-    if (op is Op.PUT and not reply) or (op is Op.GET and reply):
-        return [s for s in control["sizes"] if s > 0]
-    return []
 
 
 def carve(segments: Sequence[int], views: Sequence[memoryview]) -> list[list[memoryview]]:

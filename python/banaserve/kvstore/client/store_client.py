@@ -1,4 +1,4 @@
-"""The KV store client: pages by key over a sharded, replicated set of store servers.
+"""The KV store client itself: pages by key over a sharded, replicated set of store servers.
 
 Failure model: a shard that cannot be reached (refused, reset, timed out, broken replies) is
 marked down and retried after :attr:`KvStoreClient.RETRY_AFTER_S` (doubling while it stays
@@ -20,21 +20,20 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
-from banaserve.kvstore.client_args import (
-    byte_view,
+from banaserve.kvstore.client.buffers import (
     check_keys,
     check_range,
     chunks,
-    length_check,
-    lookup_check,
     page_views,
 )
+from banaserve.kvstore.client.replicas import ReplicaRounds, live_replicas
+from banaserve.kvstore.client.shard import Shard, fan_out
 from banaserve.kvstore.keys import KvLayout
+from banaserve.kvstore.op_specs import reply_check
 from banaserve.kvstore.protocol import (
     MAX_LEASE_MS,
     MAX_OWNER_CHARS,
@@ -43,24 +42,15 @@ from banaserve.kvstore.protocol import (
     Op,
     ProtocolError,
 )
-from banaserve.kvstore.shard import Shard, fan_out
 from banaserve.kvstore.sharding import HashRing
 from banaserve.kvstore.transport import (
-    KvStoreAuthError,
     KvStoreError,
-    KvStoreRemoteError,
     parse_url,
 )
 
 logger = logging.getLogger("banaserve.kvstore.client")
 
-__all__ = [
-    "KvStoreAuthError",
-    "KvStoreClient",
-    "KvStoreError",
-    "KvStoreRemoteError",
-    "byte_view",
-]
+__all__ = ["KvStoreClient"]
 
 T = TypeVar("T")
 
@@ -158,7 +148,7 @@ class KvStoreClient:
                 reply = shard.call(
                     Op.EXISTS,
                     {"keys": [keys[i] for i in chunk]},
-                    check=length_check("present", len(chunk), Op.EXISTS),
+                    check=reply_check(Op.EXISTS, len(chunk)),
                 )
                 out += reply["present"]
             return out
@@ -227,7 +217,7 @@ class KvStoreClient:
                 reply = shard.call(
                     Op.LOOKUP,
                     control,
-                    check=lookup_check(len(chunk)),
+                    check=reply_check(Op.LOOKUP, len(chunk)),
                     timeout=shard.timeout + left,
                 )
                 out += reply["present"]
@@ -238,27 +228,18 @@ class KvStoreClient:
             return self._shards[s].available() and self._lookup_shards[s].available()
 
         present = [False] * len(keys)
-        replicas = [self._ring.replica_indices(key, self.replication) for key in keys]
-        tried = [0] * len(keys)
+        rounds = ReplicaRounds(self._ring, keys, self.replication)
         pending = list(range(len(keys)))
-        # Round k sends each key to its k-th live replica; only keys whose shard failed in
-        # this call go round again (a shard that just died must not turn a hit on its
-        # replica into a miss).
+        # Only keys whose shard failed in this call go round again (a shard that just died
+        # must not turn a hit on its replica into a miss).
         while pending:
-            groups: dict[int, list[int]] = defaultdict(list)
-            for i in sorted(pending):
-                order = replicas[i]
-                while tried[i] < len(order) and not live(order[tried[i]]):
-                    tried[i] += 1
-                if tried[i] < len(order):
-                    groups[order[tried[i]]].append(i)
-                    tried[i] += 1
+            groups = rounds.next_round(sorted(pending), live)
             pending = []
             for s, result in self._fan_out(
                 groups, ask, self._lookup_shards, self._lookup_pool
             ).items():
                 if result is None:
-                    pending += [i for i in groups[s] if tried[i] < len(replicas[i])]
+                    pending += [i for i in groups[s] if rounds.left(i)]
                     continue
                 for i, hit in zip(groups[s], result, strict=False):
                     present[i] = hit
@@ -268,12 +249,13 @@ class KvStoreClient:
         """End ``owner``'s claims on ``keys`` (a computation given up), so that waiters stop
         waiting and compute them. True where a claim was ended; a down shard's keys: False."""
         keys = check_keys(keys)
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, key in enumerate(keys):
-            for s in self._ring.replica_indices(key, self.replication):
-                if self._lookup_shards[s].available():
-                    groups[s].append(i)
-                    break
+        groups = live_replicas(
+            self._ring,
+            keys,
+            self.replication,
+            self._available(self._lookup_shards),
+            first_only=True,
+        )
 
         def ask(shard: Shard, idx: list[int]) -> list[bool]:
             out: list[bool] = []
@@ -281,7 +263,7 @@ class KvStoreClient:
                 reply = shard.call(
                     Op.RELEASE,
                     {"keys": [keys[i] for i in chunk], "owner": owner},
-                    check=length_check("released", len(chunk), Op.RELEASE),
+                    check=reply_check(Op.RELEASE, len(chunk)),
                 )
                 out += reply["released"]
             return out
@@ -327,7 +309,7 @@ class KvStoreClient:
                 }
 
                 def sink(reply: dict[str, Any], chunk: list[int] = chunk) -> list[memoryview]:
-                    length_check("sizes", len(chunk), Op.GET)(reply)
+                    reply_check(Op.GET, len(chunk))(reply)
                     sizes = reply["sizes"]
                     targets = []
                     for i, size in zip(chunk, sizes, strict=True):
@@ -372,11 +354,9 @@ class KvStoreClient:
         keys = check_keys(keys)
         pages = page_views(buffers, len(keys), writable=False)
         sizes = [sum(v.nbytes for v in page) for page in pages]
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, key in enumerate(keys):
-            for s in self._ring.replica_indices(key, self.replication):
-                if self._shards[s].available():
-                    groups[s].append(i)
+        groups = live_replicas(
+            self._ring, keys, self.replication, self._available(self._shards), first_only=False
+        )
 
         def store(shard: Shard, idx: list[int]) -> list[bool]:
             out: list[bool] = []
@@ -386,7 +366,7 @@ class KvStoreClient:
                     Op.PUT,
                     control,
                     [view for i in chunk for view in pages[i]],
-                    check=length_check("stored", len(chunk), Op.PUT),
+                    check=reply_check(Op.PUT, len(chunk)),
                 )
                 out += reply["stored"]
             return out
@@ -422,7 +402,7 @@ class KvStoreClient:
         """
 
         def one(shard: Shard, _: None) -> int:
-            return int(shard.call(Op.CLEAR, {})["dropped"])  # a count >= 0: validate_reply
+            return int(shard.call(Op.CLEAR, {})["dropped"])  # a count >= 0: OP_SPECS
 
         results = self._fan_out({i: None for i in range(len(self._shards))}, one)
         missed = [f"{self._shards[i].url} ({self._shards[i].last_error or 'unreachable'})"
@@ -458,18 +438,11 @@ class KvStoreClient:
         Round k sends every unresolved key to its next live replica, one batch per shard.
         """
         found = [False] * len(keys)
-        replicas = [self._ring.replica_indices(key, self.replication) for key in keys]
-        tried = [0] * len(keys)
+        rounds = ReplicaRounds(self._ring, keys, self.replication)
+        live = self._available(self._shards)
         pending = list(range(len(keys)))
         while pending:
-            groups: dict[int, list[int]] = defaultdict(list)
-            for i in pending:
-                order = replicas[i]
-                while tried[i] < len(order) and not self._shards[order[tried[i]]].available():
-                    tried[i] += 1
-                if tried[i] < len(order):
-                    groups[order[tried[i]]].append(i)
-                    tried[i] += 1
+            groups = rounds.next_round(pending, live)
             if not groups:
                 break
             pending = []
@@ -477,9 +450,13 @@ class KvStoreClient:
                 for j, i in enumerate(groups[s]):
                     if result is not None and result[j]:
                         found[i] = True
-                    elif tried[i] < len(replicas[i]):
+                    elif rounds.left(i):
                         pending.append(i)
         return found
+
+    @staticmethod
+    def _available(shards: list[Shard]) -> Callable[[int], bool]:
+        return lambda s: shards[s].available()
 
     def _fan_out(
         self,

@@ -1,14 +1,15 @@
-"""The client's argument checks, the byte views of callers' buffers, and how a batch is split
-into frames. Pure: nothing here does I/O or keeps a reference to a buffer."""
+"""The client's buffer helpers: the caller's keys and buffers checked and seen as byte views,
+and how a batch is split into frames. Pure: nothing here does I/O or keeps a reference to a
+buffer."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from banaserve.kvstore.keys import KEY_BYTES
-from banaserve.kvstore.protocol import MAX_KEYS_PER_FRAME, Op, ProtocolError
+from banaserve.kvstore.protocol import MAX_KEYS_PER_FRAME
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -82,25 +83,3 @@ def chunks(idx: list[int], sizes: Sequence[int], max_bytes: int) -> Iterator[lis
         total += sizes[i]
     if chunk:
         yield chunk
-
-
-def lookup_check(n: int) -> Callable[[dict[str, Any]], None]:
-    """A LOOKUP reply check: one ``present`` and one ``claimed`` per key sent."""
-    present = length_check("present", n, Op.LOOKUP)
-    claimed = length_check("claimed", n, Op.LOOKUP)
-
-    def check(reply: dict[str, Any]) -> None:
-        present(reply)
-        claimed(reply)
-
-    return check
-
-
-def length_check(field: str, n: int, op: Op) -> Callable[[dict[str, Any]], None]:
-    """A reply check: ``field`` has one entry per key sent."""
-
-    def check(reply: dict[str, Any]) -> None:
-        if len(reply[field]) != n:
-            raise ProtocolError(f"{op.name} reply has {len(reply[field])} {field} for {n} keys")
-
-    return check

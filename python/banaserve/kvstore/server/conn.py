@@ -20,6 +20,7 @@ from typing import Any
 
 from banaserve.kvstore.admission import Admission, ByteBudget, Ticket, request_buffer
 from banaserve.kvstore.auth import OPEN, Grant, map_control_keys
+from banaserve.kvstore.op_specs import validate_request
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     ErrorCode,
@@ -30,8 +31,8 @@ from banaserve.kvstore.protocol import (
     decode_header,
     encode_error,
     unpack_control,
-    validate_request,
 )
+from banaserve.kvstore.server.shm import attach
 from banaserve.kvstore.transport import aio
 
 #: A request's payload buffer: see :func:`banaserve.kvstore.admission.request_buffer`.
@@ -52,8 +53,10 @@ class FrameTimeout(ProtocolError):
 
 
 class Connection:
-    """Per-connection state. Touched only by its own task (and by :meth:`watch_eof`'s callback,
-    which runs on the same loop)."""
+    """Per-connection state of the TCP/shm server: the socket, what HELLO granted, the mapped
+    shared-memory segment (the client's: it unlinks it) and the budget the current request
+    holds. Touched only by its own task (and by :meth:`watch_eof`'s callback, which runs on
+    the same loop); reading a frame waits on the peer, within the admission bounds."""
 
     def __init__(self, sock: socket.socket, peer: str, budget: ByteBudget) -> None:
         self.sock = sock
@@ -68,6 +71,15 @@ class Connection:
         #: Seen closed by its peer while a LOOKUP of it waited (see :meth:`watch_eof`).
         self.gone = False
         self._head = bytearray(HEADER_BYTES)
+
+    @property
+    def shm_size(self) -> int | None:
+        return None if self.segment is None else self.segment.size
+
+    def attach_shm(self, name: str) -> int:
+        self.detach()
+        self.segment = attach(name)
+        return self.segment.size
 
     def detach(self) -> None:
         segment, self.segment = self.segment, None

@@ -1,4 +1,4 @@
-"""One ucx:// connection's state on the server (:mod:`banaserve.kvstore.ucx_server`)."""
+"""One ucx:// connection's state on the server (:mod:`banaserve.kvstore.server.ucx`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from banaserve.kvstore.admission import Admission, Ticket
 from banaserve.kvstore.auth import OPEN, Grant
-from banaserve.kvstore.protocol import HEADER_BYTES, Header
+from banaserve.kvstore.protocol import HEADER_BYTES, ErrorCode, Header, ProtocolError
 
 
 class UcxConn:
@@ -23,6 +23,9 @@ class UcxConn:
         self.admitted = admitted
         self.authenticated = False
         self.grant: Grant = OPEN
+        #: Never set: without endpoint error handling the server does not see a peer die, and
+        #: nothing waits on a ucx:// connection's behalf (no claims here).
+        self.gone = False
         self.hello_deadline = hello_deadline
         #: The current request's share of the budget, and those of earlier requests whose
         #: replies are still being sent (their pages pinned): released once sent.
@@ -44,6 +47,16 @@ class UcxConn:
         self.bye: Any = None
         self.bye_buf = bytearray(1)
         self.closing_deadline: float | None = None  # set once refused: close when sent
+
+    @property
+    def shm_size(self) -> int | None:
+        return None
+
+    def attach_shm(self, name: str) -> int:
+        raise ProtocolError("HELLO: shared memory is not offered over ucx://", ErrorCode.SHM)
+
+    def watch_eof(self, on_gone: Callable[[], None]) -> Callable[[], None]:
+        raise NotImplementedError("nothing waits on a ucx:// connection's behalf")
 
     def settled(self) -> bool:
         """Whether UCX is done with every buffer of this connection (after its close)."""

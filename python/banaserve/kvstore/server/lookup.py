@@ -1,28 +1,38 @@
-"""LOOKUP on the TCP/shm server: wait for keys that others are computing, then claim the
+"""LOOKUP over a claim table: wait for keys that others are computing, then claim the
 missing tail (the protocol is :class:`~banaserve.kvstore.protocol.Op`'s; the table is
 :mod:`banaserve.kvstore.claims`).
 
-Runs on the server's event loop, in the task of the connection that asked; waiting suspends
-only that task.
+Runs on the TCP server's event loop, in the task of the connection that asked; waiting
+suspends only that task.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from banaserve.kvstore.claims import ClaimTable
-from banaserve.kvstore.server_conn import Connection
 
 #: ``contains(keys)``: whether each key is stored (the server runs it on its store threads).
 Contains = Callable[[list[bytes]], Awaitable[list[bool]]]
+
+
+class Waiter(Protocol):
+    """The connection a LOOKUP came on: it holds the claims the LOOKUP takes."""
+
+    #: Seen closed by its peer while the LOOKUP waited.
+    gone: bool
+
+    def watch_eof(self, on_gone: Callable[[], None]) -> Callable[[], None]:
+        """Set :attr:`gone` and call ``on_gone`` once the peer closes; returns the undo."""
+        ...
 
 
 async def serve_lookup(
     claims: ClaimTable,
     counters: dict[str, int],
     contains: Contains,
-    conn: Connection,
+    conn: Waiter,
     control: dict[str, Any],
 ) -> dict[str, Any]:
     """The LOOKUP reply for ``control`` (validated, keys already mapped), with claims tied to

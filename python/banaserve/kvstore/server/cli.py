@@ -31,7 +31,8 @@ from banaserve.kvstore.admission import (
 from banaserve.kvstore.auth import TENANT_TOKENS_ENV, load_tenant_tokens
 from banaserve.kvstore.claims import CLAIM_BYTES, DEFAULT_MAX_CLAIMS
 from banaserve.kvstore.protocol import Limits
-from banaserve.kvstore.server import KvStoreServer, ServerConfig
+from banaserve.kvstore.server.ops import ServerConfig
+from banaserve.kvstore.server.tcp import KvStoreServer
 from banaserve.kvstore.storage.base import PageStore
 
 logger = logging.getLogger("banaserve.kvstore.server")
@@ -271,7 +272,7 @@ async def serve(args: argparse.Namespace) -> None:
         except OSError as exc:
             raise SystemExit(f"kv store cannot listen on {args.host}:{args.port}: {exc}") from None
         if args.ucx_port is not None:
-            from banaserve.kvstore.ucx_server import start_ucx_listener
+            from banaserve.kvstore.server.ucx import start_ucx_listener
 
             assert server.address is not None
             ucx_port = args.ucx_port or server.address.port + 1
@@ -283,7 +284,7 @@ async def serve(args: argparse.Namespace) -> None:
                 args.host,
                 ucx_port,
                 on_stored=server.notify_stored,
-                # One budget for the process; a cap of its own (see ucx_server's docstring).
+                # One budget for the process; a cap of its own (see server.ucx's docstring).
                 admission=dataclasses.replace(
                     server.admission, gate=ConnectionGate(config.max_connections)
                 ),
@@ -330,7 +331,7 @@ def ucx_main(argv: list[str] | None = None) -> None:
     """``python -m banaserve.kvstore.ucx_server``: a RAM store over ucx:// only (tests,
     benchmarks), with the tokens and bounds of the full server, until SIGTERM or SIGINT.
     Prints the URL when ready."""
-    from banaserve.kvstore.ucx_server import start_ucx_listener
+    from banaserve.kvstore.server.ucx import start_ucx_listener
 
     parser = argparse.ArgumentParser(
         prog="python -m banaserve.kvstore.ucx_server",
@@ -368,7 +369,3 @@ def ucx_main(argv: list[str] | None = None) -> None:
     finally:
         handle.close()
         store.close()
-
-
-if __name__ == "__main__":
-    main()
