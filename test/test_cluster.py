@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -336,33 +337,73 @@ def test_instances_are_pinned_to_their_own_cores(cluster: Cluster) -> None:
         assert not prefill[0] & prefill[1]
 
 
+#: Output tokens of the requests in flight when decode-0 is killed: far more than the kill takes
+#: to land (it lands once all of them are decoding), within the tiny model's 2048 positions.
+KILLED_MAX_TOKENS = 900
+
+
 def test_a_killed_decode_instance_leaves_routing(cluster: Cluster, server: Server) -> None:
+    """Requests decoding on decode-0 when it is SIGKILLed: a stream that already sent tokens
+    ends with a clear error event; a request with nothing sent yet is retried on another
+    instance and answered in full."""
     decode_pid = cluster.state()["pids"]["decode-0"]
     prompt = long_prompt(seed=303)
     expected = generate(server.url, prompt)["output_ids"]
+    params = {**GREEDY, "max_new_tokens": KILLED_MAX_TOKENS, "ignore_eos": True}
+    retries_before = cluster.state()["gateway"]["retries"]
+    streaming = [threading.Event() for _ in range(2)]
 
-    def one(i: int) -> tuple[int, str]:
-        body = {"text": f"{prompt} {i}", "sampling_params": {**GREEDY, "max_new_tokens": 64}}
-        try:
-            answer = requests.post(f"{cluster.url}/generate", json=body, timeout=120)
-        except requests.RequestException as exc:
-            return -1, repr(exc)
-        return answer.status_code, answer.text
+    def streamed(i: int) -> tuple[int, list[bytes]]:
+        body = {"text": f"{prompt} {i}", "sampling_params": params, "stream": True}
+        events = []
+        with requests.post(f"{cluster.url}/generate", json=body, stream=True,
+                           timeout=300) as answer:  # fmt: skip
+            for line in answer.iter_lines():
+                if line.startswith(b"data: "):
+                    events.append(line[len(b"data: ") :])
+                    streaming[i].set()
+        return answer.status_code, events
+
+    def whole(i: int) -> requests.Response:
+        body = {"text": f"{prompt} {i}", "sampling_params": params}
+        return requests.post(f"{cluster.url}/generate", json=body, timeout=300)
 
     with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(one, i) for i in range(4)]
-        time.sleep(0.5)
+        streams = [pool.submit(streamed, i) for i in range(2)]
+        wholes = [pool.submit(whole, i) for i in range(2, 4)]
+        # The kill lands once all four are decoding on decode-0: both streams have sent
+        # tokens, and the gateway counts all four in flight there (their prefill steps,
+        # on the prefill instances, are over).
+        assert all(event.wait(120) for event in streaming)
+        deadline = time.monotonic() + 60
+        while cluster.instance("decode-0")["inflight"] < 4:
+            assert time.monotonic() < deadline, cluster.instance("decode-0")
+            time.sleep(0.1)
         os.killpg(decode_pid, signal.SIGKILL)
-        outcomes = [f.result(timeout=180) for f in running]
-    # Every in-flight request ended: served (retried elsewhere) or a clear 503, never a hang
-    # or a dropped connection.
-    for status, text in outcomes:
-        assert status == 200 or (status == 503 and "instance" in text), (status, text[:500])
-
-    deadline = time.monotonic() + 15
-    while cluster.instance("decode-0")["load"]["healthy"] and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not cluster.instance("decode-0")["load"]["healthy"]
+        # It leaves routing within seconds (before the supervisor can have restarted it).
+        deadline = time.monotonic() + 15
+        while cluster.instance("decode-0")["load"]["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not cluster.instance("decode-0")["load"]["healthy"]
+        stream_outcomes = [f.result(timeout=300) for f in streams]
+        whole_outcomes = [f.result(timeout=300) for f in wholes]
+    for status, events in stream_outcomes:
+        assert status == 200
+        assert len(events) >= 3 and events[-1] == b"[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "failed mid-stream" in error["message"], error
+        tokens = json.loads(events[-3])["meta_info"]["completion_tokens"]
+        assert 0 < tokens < KILLED_MAX_TOKENS
+    for answer, i in zip(whole_outcomes, range(2, 4), strict=True):
+        assert answer.status_code == 200, answer.text[:500]
+        output = answer.json()["output_ids"]
+        assert len(output) == KILLED_MAX_TOKENS
+        # Served again from the start elsewhere: the plain instance's greedy tokens.
+        plain = {"text": f"{prompt} {i}", "sampling_params": {**GREEDY, "ignore_eos": True}}
+        reference = requests.post(f"{server.url}/generate", json=plain, timeout=300)
+        assert output[:MAX_TOKENS] == reference.json()["output_ids"]
+    # Each request that had sent nothing was retried once; a stream cannot be.
+    assert cluster.state()["gateway"]["retries"] == retries_before + 2
     # The cluster keeps serving, with the same greedy output.
     assert generate(cluster.url, prompt)["output_ids"] == expected
     # The crash is reported, with the instance's last log lines (the monitor looks every second).
