@@ -207,7 +207,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--include", type=Path, nargs="*", default=[],
         help="also report the results of earlier runs in these --out folders (those a system "
-        "and workload this run does not measure again)",
+        "and workload this run does not measure again; a later folder's over an earlier's)",
     )  # fmt: skip
     parser.add_argument(
         "--report-only", action="store_true",
@@ -256,7 +256,9 @@ def main() -> None:
     known = known_systems()
     code = provenance(banaserve_env())
     load_before = os.getloadavg()
-    included = [r for folder in args.include for r in results_in(folder)]
+    # A later folder's result replaces an earlier one's for the same system and workload.
+    latest = {(r.system, r.workload): r for folder in args.include for r in results_in(folder)}
+    included = list(latest.values())
     results: list[Result] = []
     budgets: dict[str, str] = {}
     started = time.monotonic()
