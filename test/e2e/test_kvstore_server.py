@@ -282,6 +282,9 @@ def test_many_threads_and_connections(store: StoreProcess) -> None:
     assert not errors, errors
 
 
+# -- bad input --------------------------------------------------------------------------------
+
+
 def header(op: int, control_len: int, payload_len: int, version: int = PROTOCOL_VERSION) -> bytes:
     return HEADER.pack(MAGIC, version, op, 2, control_len, payload_len)
 

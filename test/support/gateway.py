@@ -16,8 +16,6 @@ from banaserve.router.placement import Placer
 from banaserve.router.policies import make_policy
 from banaserve.utils.processes import free_port
 
-# -- the gateway against small upstreams on real sockets --------------------------------------
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 

@@ -29,9 +29,6 @@ def pages(n: int, size: int = PAGE, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
 
 
-# -- bad input --------------------------------------------------------------------------------
-
-
 def hello(token: str | None = TOKEN) -> bytes:
     return encode_frame(Op.HELLO, 1, {"version": PROTOCOL_VERSION, "token": token})
 
@@ -52,9 +49,6 @@ def exchange(url: str, data: bytes) -> list[Frame]:
         except ConnectionResetError:
             pass
     return FrameDecoder(replies=True).feed(bytes(received))
-
-
-# -- in-process server: timeouts and store failures -------------------------------------------
 
 
 class InProcessServer:

@@ -128,6 +128,9 @@ def test_metrics_render_every_instance() -> None:
     assert "banaserve_gateway_requests_total 0" in text
 
 
+# -- the gateway against small upstreams on real sockets --------------------------------------
+
+
 async def answer_ok(request: web.Request) -> web.Response:
     body = await request.json()
     return web.json_response({"text": "ok", "max": body["sampling_params"]["max_new_tokens"]})

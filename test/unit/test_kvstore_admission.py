@@ -32,6 +32,8 @@ from banaserve.kvstore.storage import TieredStore
 from support.kvstore_hardening import CAPACITY, TOKEN, MiB
 from support.kvstore_server import InProcessServer
 
+# -- memory bounded before it is allocated ----------------------------------------------------
+
 
 def test_budget_waits_then_refuses_busy() -> None:
     budget = ByteBudget(100)
@@ -150,6 +152,9 @@ def test_get_replies_are_charged_and_split() -> None:
     finally:
         server.close()
         store.close()
+
+
+# -- secure by default ------------------------------------------------------------------------
 
 
 def test_tenant_isolation_holds_for_claims() -> None:

@@ -49,6 +49,9 @@ def test_shm_get_from_a_server_that_does_not_stream(monkeypatch: pytest.MonkeyPa
         store.close()
 
 
+# -- in-process server: timeouts and store failures -------------------------------------------
+
+
 class FailingReads(TieredStore):
     def get(self, key: bytes) -> bytes | None:
         raise RuntimeError("disk on fire")
