@@ -25,8 +25,8 @@ $PY -c "from banaserve import _C; assert _C.cuda_compiled(); print('devices', _C
 
 status=0
 echo "== unit tests on the device (CUDA cases run here, skip elsewhere)"
-timeout 120 $PY -m pytest -q -p no:cacheprovider test/test_extension.py test/test_attention.py \
-  test/test_pipeline.py test/test_layer_store.py || status=1
+timeout 120 $PY -m pytest -q -p no:cacheprovider test/unit/test_extension.py test/unit/test_attention.py \
+  test/unit/test_pipeline.py test/unit/test_layer_store.py || status=1
 
 echo "== attention: CUDA vs CPU kernels, timings, merge vs copy bandwidth"
 timeout 90 $PY benchmark/attention_gpu_check.py || status=1

@@ -1,22 +1,20 @@
-"""Shared fixtures: the tiny model and one BanaServe server on it for the whole session.
+"""Fixtures for the whole suite (unit and end-to-end): the tiny model and one BanaServe server
+on it for the whole session.
 
-An SGLang server takes 25-40 s to start here, so every end-to-end test shares one.
+An SGLang server takes 25-40 s to start here, so every end-to-end test shares one. Both live
+here, above ``unit/`` and ``e2e/``, so that one run of both folders builds each only once.
+Helpers (``Server``, ``start_server``, ...) are in ``support.servers``, not here: test modules
+must not import a ``conftest`` by name.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from banaserve.utils.processes import ManagedProcess, free_port
-
-SERVER_START_TIMEOUT = 300.0
-#: Small enough that several servers fit beside each other on a CI machine.
-TEST_KV_TOKENS = 16384
+from support.servers import Server, start_server
 
 
 @pytest.fixture(scope="session")
@@ -24,40 +22,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from banaserve.models import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
-
-
-class Server:
-    """A ``banaserve.launch_server`` process: its URL, model and process (the caller stops it)."""
-
-    def __init__(self, process: ManagedProcess, url: str, model_path: Path, name: str) -> None:
-        self.process = process
-        self.url = url
-        self.model_path = model_path
-        self.served_model_name = name
-
-    def wait_ready(self) -> None:
-        self.process.wait_http_ok(f"{self.url}/health", SERVER_START_TIMEOUT)
-
-
-def start_server(
-    model: Path,
-    log_path: Path,
-    *extra_args: str,
-    env: Mapping[str, str] | None = None,
-    log_level: str = "warning",
-) -> Server:
-    """Start ``launch_server`` on the tiny model on a free port; not waited for (starting
-    several at once overlaps their start-ups)."""
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "banaserve.launch_server",
-        "--model-path", str(model), "--port", str(port),
-        "--max-total-tokens", str(TEST_KV_TOKENS), "--log-level", log_level,
-        *extra_args,
-    ]  # fmt: skip
-    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
-    process = ManagedProcess(log_path.stem, argv, log_path, env=env)
-    return Server(process, f"http://127.0.0.1:{port}", model, model.name)
 
 
 @pytest.fixture(scope="session")

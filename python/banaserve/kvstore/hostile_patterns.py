@@ -1,5 +1,5 @@
 """The hostile patterns of issue 13 against a real store server process, and what they did to
-it: what ``test/test_kvstore_hardening.py`` asserts on and ``benchmark/store_probes.py``
+it: what ``test/e2e/test_kvstore_hardening.py`` asserts on and ``benchmark/store_probes.py``
 reports.
 
 Each pattern speaks the raw protocol on plain sockets (no well-behaved client sends what they

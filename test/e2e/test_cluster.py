@@ -1,0 +1,345 @@
+"""A BanaServe cluster from one command: 2 prefill + 1 decode instances behind one port.
+
+Greedy outputs equal those of one plain instance (the session ``server``) on every endpoint,
+streaming included, whether a request goes through the prefill -> store -> decode handoff
+(long prompts) or straight to the decode instance (short ones). A burst sharing a new prefix
+computes it once in the whole cluster. A killed decode instance leaves routing and the
+cluster keeps serving; SIGTERM stops every process. The tests run in file order: the last
+two break the cluster on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from banaserve.utils.processes import ManagedProcess, free_port, tail
+from support.cluster import (
+    GREEDY,
+    MAX_TOKENS,
+    Cluster,
+    check_a_burst_computes_a_shared_prefix_once,
+    generate,
+    long_prompt,
+    running_cluster,
+)
+from support.servers import TEST_KV_TOKENS, Server
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tiny_model, tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+def test_sigterm_during_start_up_stops_everything(tiny_model: Path, tmp_path: Path) -> None:
+    import psutil
+
+    argv = [
+        sys.executable, "-m", "banaserve.launch_server", "--model-path", str(tiny_model),
+        "--num-prefill", "1", "--num-decode", "1", "--port", str(free_port()),
+        "--max-total-tokens", str(TEST_KV_TOKENS), "--cluster-log-dir", str(tmp_path),
+    ]  # fmt: skip
+    process = ManagedProcess("cluster", argv, tmp_path / "gateway.log")
+    try:
+        deadline = time.monotonic() + 120
+        while "started decode-0" not in tail(process.log_path):
+            assert process.alive() and time.monotonic() < deadline, tail(process.log_path)
+            time.sleep(0.2)
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert len(children) >= 3  # the store and two instances, at least
+        process.process.send_signal(signal.SIGTERM)  # to the launcher only, mid start-up
+        process.process.wait(timeout=90)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [c.cmdline() for c in alive]
+    finally:
+        process.stop()
+
+
+def streamed_generate(url: str, text: str) -> str:
+    body = {"text": text, "sampling_params": GREEDY, "stream": True}
+    out = ""
+    with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as answer:
+        assert answer.status_code == 200, answer.text
+        for line in answer.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                out = json.loads(line[5:])["text"]
+    return out
+
+
+def openai_client(url: str):  # noqa: ANN201
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300)
+
+
+PROMPTS = ["The quick brown fox", long_prompt(seed=101)]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
+def test_generate_matches_a_plain_instance(cluster: Cluster, server: Server, prompt: str) -> None:
+    expected = generate(server.url, prompt)
+    handoffs = cluster.state()["gateway"]["handoffs"]
+    got = generate(cluster.url, prompt)
+    assert got["output_ids"] == expected["output_ids"]
+    assert streamed_generate(cluster.url, prompt) == expected["text"]
+    if prompt is PROMPTS[1]:
+        # The long prompt went through a prefill instance, and the decode instance found its
+        # pages in the store rather than computing them.
+        assert cluster.state()["gateway"]["handoffs"] >= handoffs + 1
+        details = got["meta_info"]["cached_tokens_details"] or {}
+        assert details.get("storage", 0) + details.get("device", 0) >= 16 * 30, details
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
+def test_openai_endpoints_match_a_plain_instance(
+    cluster: Cluster, server: Server, prompt: str
+) -> None:
+    name = cluster.served_model_name
+    plain, ours = openai_client(server.url), openai_client(cluster.url)
+    kwargs = {"model": name, "max_tokens": MAX_TOKENS, "temperature": 0}
+    expected = plain.completions.create(prompt=prompt, **kwargs).choices[0].text
+    assert ours.completions.create(prompt=prompt, **kwargs).choices[0].text == expected
+    stream = ours.completions.create(prompt=prompt, stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+
+    messages = [{"role": "user", "content": prompt}]
+    expected = plain.chat.completions.create(messages=messages, **kwargs)
+    got = ours.chat.completions.create(messages=messages, **kwargs)
+    assert got.choices[0].message.content == expected.choices[0].message.content
+    stream = ours.chat.completions.create(messages=messages, stream=True, **kwargs)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == expected.choices[0].message.content
+
+
+def test_frontend_program_with_fork(cluster: Cluster) -> None:
+    import sglang as sgl
+
+    from support.frontend import CHOICES, describe
+
+    backend = sgl.RuntimeEndpoint(cluster.url)
+    state = describe.run(topic="the sea", backend=backend)
+    assert state["colour"] in CHOICES
+    assert len(state["ideas"]) == 2 and state["summary"]
+    again = describe.run(topic="the sea", backend=backend)
+    assert (again["colour"], again["ideas"], again["summary"]) == (
+        state["colour"], state["ideas"], state["summary"],
+    )  # fmt: skip
+
+
+def test_bench_serving_runs_against_the_gateway(
+    cluster: Cluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    result_file = tmp_path / "bench.jsonl"
+    argv = [
+        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        "--base-url", cluster.url, "--model", str(tiny_model), "--tokenizer", str(tiny_model),
+        "--dataset-name", "random-ids", "--num-prompts", "8", "--random-input-len", "300",
+        "--random-output-len", "4", "--random-range-ratio", "1.0", "--max-concurrency", "4",
+        "--output-file", str(result_file),
+    ]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    result = json.loads(result_file.read_text().splitlines()[-1])
+    assert result["completed"] == 8
+
+
+def test_a_burst_computes_a_shared_prefix_once(cluster: Cluster) -> None:
+    check_a_burst_computes_a_shared_prefix_once(cluster, seed=202)
+
+
+def test_bad_input_gets_a_clear_error(cluster: Cluster) -> None:
+    answer = requests.post(
+        f"{cluster.url}/generate", data=b"{not json", timeout=30,
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    assert answer.status_code == 400 and "JSON" in answer.json()["message"]
+    answer = requests.post(
+        f"{cluster.url}/v1/chat/completions",
+        json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
+    assert answer.status_code == 404 and "no-such-model" in answer.text
+    answer = requests.post(
+        f"{cluster.url}/v1/completions",
+        json={"model": cluster.served_model_name, "prompt": long_prompt(5), "max_tokens": -1},
+        timeout=30,
+    )
+    assert answer.status_code == 400 and "max_tokens" in answer.text
+    assert generate(cluster.url, "still serving")["text"]
+
+
+def test_cluster_and_metrics_report_every_instance(cluster: Cluster) -> None:
+    state = cluster.state()
+    assert state["policy"] == {"prefill": "load_aware", "decode": "load_aware"}
+    names = sorted(i["name"] for i in state["instances"])
+    assert names == ["decode-0", "prefill-0", "prefill-1"]
+    for instance in state["instances"]:
+        load = instance["load"]
+        assert load["healthy"] and load["kv_capacity_tokens"] > 0, instance
+    assert all(s["up"] for s in state["store"].values())
+    metrics = requests.get(f"{cluster.url}/metrics", timeout=30).text
+    for name in names:
+        assert f'banaserve_instance_healthy{{instance="{name}"' in metrics
+    assert "banaserve_gateway_handoffs_total" in metrics
+
+
+def settled_store_pages(cluster: Cluster, quiet_s: float = 1.5, timeout: float = 60) -> int:
+    """The store's page count once it stopped changing for ``quiet_s`` (instances write their
+    pages back in the background after they answer)."""
+    deadline = time.monotonic() + timeout
+    last, since = -1, time.monotonic()
+    while True:
+        pages = sum(shard["ram_pages"] for shard in cluster.state()["store"].values())
+        if pages != last:
+            last, since = pages, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return pages
+        assert time.monotonic() < deadline, f"the store kept changing: {pages} pages"
+        time.sleep(0.25)
+
+
+def test_clear_caches_leaves_every_cache_cold(cluster: Cluster) -> None:
+    prompt = long_prompt(seed=404)
+    first = generate(cluster.url, prompt)
+    assert settled_store_pages(cluster) > 0
+    answer = requests.post(f"{cluster.url}/clear_caches", timeout=120)
+    assert answer.status_code == 200, answer.text
+    counts = answer.json()
+    assert counts["instances_flushed"] == 3, counts
+    assert counts["store_pages_dropped"] > 0 and counts["prompt_index_chars_dropped"] >= len(prompt)
+    state = cluster.state()
+    for url, shard in state["store"].items():
+        assert (shard["ram_pages"], shard["ssd_pages"], shard["ram_bytes"]) == (0, 0, 0), url
+    before = {i["name"]: i for i in state["instances"]}
+    again = generate(cluster.url, prompt)
+    assert again["text"] == first["text"] and again["output_ids"] == first["output_ids"]
+    after = cluster.state()
+    # Cold everywhere: the gateway forgot the prompt (a handoff again) and the prefill
+    # instance that took it computed it in full (neither its own cache nor the store had it).
+    assert after["gateway"]["handoffs"] == state["gateway"]["handoffs"] + 1
+    computed = sum(
+        i["computed_prompt_tokens"] - before[i["name"]]["computed_prompt_tokens"]
+        for i in after["instances"]
+        if i["role"] == "prefill"
+    )
+    assert computed >= first["meta_info"]["prompt_tokens"] - 16, computed
+
+
+def test_instances_are_pinned_to_their_own_cores(cluster: Cluster) -> None:
+    import psutil
+
+    state = cluster.state()
+    available = sorted(os.sched_getaffinity(0))
+    for instance in state["instances"]:
+        cores = sorted(instance["cores"])
+        assert cores and set(cores) <= set(available), instance
+        process = psutil.Process(state["pids"][instance["name"]])
+        for p in [process, *process.children(recursive=True)]:
+            assert sorted(p.cpu_affinity()) == cores, (instance["name"], p.cmdline())
+    if len(available) >= 2:  # the two prefill instances never share a core
+        prefill = [set(i["cores"]) for i in state["instances"] if i["role"] == "prefill"]
+        assert not prefill[0] & prefill[1]
+
+
+#: Output tokens of the requests in flight when decode-0 is killed: far more than the kill takes
+#: to land (it lands once all of them are decoding), within the tiny model's 2048 positions.
+KILLED_MAX_TOKENS = 900
+
+
+def test_a_killed_decode_instance_leaves_routing(cluster: Cluster, server: Server) -> None:
+    """Requests decoding on decode-0 when it is SIGKILLed: a stream that already sent tokens
+    ends with a clear error event; a request with nothing sent yet is retried on another
+    instance and answered in full."""
+    decode_pid = cluster.state()["pids"]["decode-0"]
+    prompt = long_prompt(seed=303)
+    expected = generate(server.url, prompt)["output_ids"]
+    params = {**GREEDY, "max_new_tokens": KILLED_MAX_TOKENS, "ignore_eos": True}
+    retries_before = cluster.state()["gateway"]["retries"]
+    streaming = [threading.Event() for _ in range(2)]
+
+    def streamed(i: int) -> tuple[int, list[bytes]]:
+        body = {"text": f"{prompt} {i}", "sampling_params": params, "stream": True}
+        events = []
+        with requests.post(f"{cluster.url}/generate", json=body, stream=True,
+                           timeout=300) as answer:  # fmt: skip
+            for line in answer.iter_lines():
+                if line.startswith(b"data: "):
+                    events.append(line[len(b"data: ") :])
+                    streaming[i].set()
+        return answer.status_code, events
+
+    def whole(i: int) -> requests.Response:
+        body = {"text": f"{prompt} {i}", "sampling_params": params}
+        return requests.post(f"{cluster.url}/generate", json=body, timeout=300)
+
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(streamed, i) for i in range(2)]
+        wholes = [pool.submit(whole, i) for i in range(2, 4)]
+        # The kill lands once all four are decoding on decode-0: both streams have sent
+        # tokens, and the gateway counts all four in flight there (their prefill steps,
+        # on the prefill instances, are over).
+        assert all(event.wait(120) for event in streaming)
+        deadline = time.monotonic() + 60
+        while cluster.instance("decode-0")["inflight"] < 4:
+            assert time.monotonic() < deadline, cluster.instance("decode-0")
+            time.sleep(0.1)
+        os.killpg(decode_pid, signal.SIGKILL)
+        # It leaves routing within seconds (before the supervisor can have restarted it).
+        deadline = time.monotonic() + 15
+        while cluster.instance("decode-0")["load"]["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not cluster.instance("decode-0")["load"]["healthy"]
+        stream_outcomes = [f.result(timeout=300) for f in streams]
+        whole_outcomes = [f.result(timeout=300) for f in wholes]
+    for status, events in stream_outcomes:
+        assert status == 200
+        assert len(events) >= 3 and events[-1] == b"[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "failed mid-stream" in error["message"], error
+        tokens = json.loads(events[-3])["meta_info"]["completion_tokens"]
+        assert 0 < tokens < KILLED_MAX_TOKENS
+    for answer, i in zip(whole_outcomes, range(2, 4), strict=True):
+        assert answer.status_code == 200, answer.text[:500]
+        output = answer.json()["output_ids"]
+        assert len(output) == KILLED_MAX_TOKENS
+        # Served again from the start elsewhere: the plain instance's greedy tokens.
+        plain = {"text": f"{prompt} {i}", "sampling_params": {**GREEDY, "ignore_eos": True}}
+        reference = requests.post(f"{server.url}/generate", json=plain, timeout=300)
+        assert output[:MAX_TOKENS] == reference.json()["output_ids"]
+    # Each request that had sent nothing was retried once; a stream cannot be.
+    assert cluster.state()["gateway"]["retries"] == retries_before + 2
+    # The cluster keeps serving, with the same greedy output.
+    assert generate(cluster.url, prompt)["output_ids"] == expected
+    # The crash is reported, with the instance's last log lines (the monitor looks every second).
+    deadline = time.monotonic() + 15
+
+    def crash_reported() -> bool:
+        lines = tail(cluster.process.log_path, 200).splitlines()
+        return any("decode-0 (pid" in line and "exited with code" in line for line in lines)
+
+    while not crash_reported():
+        assert time.monotonic() < deadline, tail(cluster.process.log_path, 200)
+        time.sleep(0.5)
+
+
+def test_sigterm_stops_every_process(cluster: Cluster) -> None:
+    import psutil
+
+    children = psutil.Process(cluster.process.pid).children(recursive=True)
+    assert len(children) >= 3
+    cluster.process.process.send_signal(signal.SIGTERM)
+    cluster.process.process.wait(timeout=90)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [c.cmdline() for c in alive]

@@ -1,0 +1,107 @@
+"""A running ``banaserve.cluster`` (gateway, instances, store) and requests to it."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from banaserve.utils.processes import ManagedProcess, free_port
+from support.servers import SERVER_START_TIMEOUT, TEST_KV_TOKENS
+
+MAX_TOKENS = 8
+GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_TOKENS}
+VOCAB = ["river", "stone", "light", "quiet", "market", "window", "garden", "paper",
+         "engine", "silver", "morning", "forest", "letter", "bridge", "harbour"]  # fmt: skip
+
+
+@dataclass
+class Cluster:
+    process: ManagedProcess
+    url: str
+    log_dir: Path
+    served_model_name: str
+
+    def state(self) -> dict:
+        answer = requests.get(f"{self.url}/cluster", timeout=30)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def instance(self, name: str) -> dict:
+        return next(i for i in self.state()["instances"] if i["name"] == name)
+
+
+@contextmanager
+def running_cluster(
+    model: Path, log_dir: Path, *extra_args: str, prefill: int = 2, decode: int = 1,
+    store_gb: float = 0.5, env: dict[str, str] | None = None,
+) -> Iterator[Cluster]:  # fmt: skip
+    """``launch_server`` with ``prefill`` + ``decode`` instances of ``model``, pinned, until
+    exit; ``env`` adds to the environment."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "banaserve.launch_server",
+        "--model-path", str(model), "--num-prefill", str(prefill), "--num-decode", str(decode),
+        "--port", str(port), "--max-total-tokens", str(TEST_KV_TOKENS),
+        "--kv-store-capacity-gb", str(store_gb), "--cluster-log-dir", str(log_dir),
+        "--cpu-affinity", *extra_args,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    process = ManagedProcess("cluster", argv, log_dir / "gateway.log", env=env)
+    try:
+        process.wait_http_ok(f"http://127.0.0.1:{port}/health", SERVER_START_TIMEOUT * 2)
+        yield Cluster(process, f"http://127.0.0.1:{port}", log_dir, model.name)
+    finally:
+        process.stop(grace=60)
+
+
+def long_prompt(seed: int, words: int = 400) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(VOCAB) for _ in range(words))
+
+
+def generate(url: str, text: str, **extra: object) -> dict:
+    body = {"text": text, "sampling_params": GREEDY, **extra}
+    answer = requests.post(f"{url}/generate", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def check_a_burst_computes_a_shared_prefix_once(
+    cluster: Cluster, seed: int, *, every_request_hits: bool = True
+) -> None:
+    """8 requests sharing a new prefix at once, spread over both prefill instances: the cluster
+    computes the prefix once and (``every_request_hits``) every request finds it cached."""
+    prefix = long_prompt(seed=seed, words=500)
+    prompts = [f"{prefix} question {i}: what comes next?" for i in range(8)]
+    before = {i["name"]: i for i in cluster.state()["instances"]}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: generate(cluster.url, p), prompts))
+    after = {i["name"]: i for i in cluster.state()["instances"]}
+
+    def delta(name: str, key: str) -> int:
+        return after[name][key] - before[name][key]
+
+    prompt_tokens = results[0]["meta_info"]["prompt_tokens"]
+    prefills = ["prefill-0", "prefill-1"]
+    assert all(delta(name, "routed") >= 1 for name in prefills), after  # spread over both
+    computed = sum(delta(name, "computed_prompt_tokens") for name in after)
+    # Once the prefix (about prompt_tokens) plus each request's own tail (at most two pages
+    # each, on the prefill and on the decode side): without coalescing, each prefill
+    # instance would compute the prefix itself.
+    assert computed < prompt_tokens + 2 * 2 * 16 * len(prompts), (computed, prompt_tokens, after)
+    # Every request found the prefix cached (on its instance or in the store). Whether a
+    # lookup had to wait for the first one's pages (the store's "coalesced") depends on
+    # timing: the gateway usually holds the others until those pages are stored.
+    hits = [r["meta_info"]["cached_tokens"] for r in results]
+    assert not every_request_hits or all(hit >= prompt_tokens - 2 * 16 for hit in hits), (
+        hits,
+        prompt_tokens,
+    )

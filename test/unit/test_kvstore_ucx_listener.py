@@ -1,0 +1,205 @@
+"""The KV store over ucx://: a UCX listener in this process, driven by KvStoreClient.
+
+Skipped where ucxx (the optional extra ``banaserve[ucx]``) does not import. The listener in
+its own store process is ``e2e/test_kvstore_ucx.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+try:
+    import ucxx  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the install
+    pytest.skip(f"ucxx not importable ({exc}): install banaserve[ucx]", allow_module_level=True)
+
+from banaserve.kvstore.client import KvStoreAuthError, KvStoreClient
+from banaserve.utils.processes import free_port
+from support.kvstore_ucx import PAGE, TOKEN, _pages
+
+
+def test_server_down_is_a_miss() -> None:
+    # Nobody listens: the first send fails at once, the shard is down, every read a miss.
+    url = f"ucx://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with KvStoreClient(url, timeout=2.0) as client:
+        keys, pages = _pages(2)
+        assert client.get(keys, [np.zeros(PAGE, np.uint8) for _ in keys]) == [False, False]
+        assert client.exists(keys) == [False, False]
+        assert client.put(keys, pages) == [False, False]
+    assert time.monotonic() - started < 10.0
+
+
+def test_ucx_put_wakes_tcp_waiters() -> None:
+    """A page PUT over ucx:// ends the TCP server's claim on it (``on_stored``)."""
+    import threading
+
+    from banaserve.kvstore.server import ServerConfig
+    from banaserve.kvstore.storage import TieredStore
+    from banaserve.kvstore.ucx_server import start_ucx_listener
+    from support.kvstore_server import InProcessServer
+
+    store = TieredStore(64 << 20)
+    server = InProcessServer(store, ServerConfig(token=TOKEN))
+    config = server.server.config
+    ucx = start_ucx_listener(store, config, "127.0.0.1", 0, on_stored=server.server.notify_stored)
+    keys, pages = _pages(2)
+    try:
+        with (
+            KvStoreClient(server.url, token=TOKEN) as a,
+            KvStoreClient(server.url, token=TOKEN) as b,
+            KvStoreClient(ucx.url, token=TOKEN, timeout=5.0) as u,
+        ):
+            assert a.lookup(keys, owner="A") == 0
+            found: list[int] = []
+            waiter = threading.Thread(
+                target=lambda: found.append(b.lookup(keys, owner="B", wait_s=20))
+            )
+            waiter.start()
+            time.sleep(0.3)
+            start = time.monotonic()
+            assert u.put(keys, pages) == [True, True]
+            waiter.join(10)
+            assert found == [2] and time.monotonic() - start < 3
+    finally:
+        ucx.close()
+        server.close()
+        store.close()
+
+
+def test_tenant_tokens_over_ucx() -> None:
+    """Per-tenant tokens hold over ucx:// as over tcp://: the same raw key is two pages."""
+    from banaserve.kvstore.server import ServerConfig
+    from banaserve.kvstore.storage import TieredStore
+    from banaserve.kvstore.ucx_server import start_ucx_listener
+
+    tokens = {"alpha": "alpha-token-0123456789", "beta": "beta-token-0123456789"}
+    store = TieredStore(64 << 20)
+    ucx = start_ucx_listener(store, ServerConfig(tenant_tokens=tokens), "127.0.0.1", 0)
+    keys, pages = _pages(2)
+    try:
+        with (
+            KvStoreClient(ucx.url, token=tokens["alpha"], timeout=5.0) as a,
+            KvStoreClient(ucx.url, token=tokens["beta"], timeout=5.0) as b,
+        ):
+            assert a.put(keys[:1], pages[:1]) == [True]
+            assert b.put(keys, pages[::-1]) == [True, True]
+            out = [np.zeros(PAGE, np.uint8) for _ in keys]
+            assert a.get(keys, out) == [True, False]  # beta's second page is not alpha's
+            np.testing.assert_array_equal(out[0], pages[0])
+            assert a.exists(keys) == [True, False]
+            assert b.get(keys[:1], out[:1]) == [True]
+            np.testing.assert_array_equal(out[0], pages[1])
+        with pytest.raises(KvStoreAuthError):
+            KvStoreClient(ucx.url, token=TOKEN, timeout=5.0)
+    finally:
+        ucx.close()
+        store.close()
+
+
+def test_connection_cap_and_shared_budget() -> None:
+    """The ucx:// listener has a cap of its own (crashed ucx:// clients are never noticed, and
+    must not lock out tcp:// ones) and charges the TCP server's in-flight budget."""
+    import dataclasses
+
+    from banaserve.kvstore.admission import ConnectionGate
+    from banaserve.kvstore.server import ServerConfig
+    from banaserve.kvstore.storage import TieredStore
+    from banaserve.kvstore.ucx_server import start_ucx_listener
+    from support.kvstore_server import InProcessServer
+
+    store = TieredStore(64 << 20)
+    server = InProcessServer(store, ServerConfig(token=TOKEN, max_connections=1))
+    admission = dataclasses.replace(server.server.admission, gate=ConnectionGate(1))
+    ucx = start_ucx_listener(store, server.server.config, "127.0.0.1", 0, admission=admission)
+    keys, pages = _pages(1)
+    try:
+        with (
+            KvStoreClient(server.url, token=TOKEN) as t,
+            KvStoreClient(ucx.url, token=TOKEN, timeout=5.0) as u,
+        ):
+            assert t.put(keys, pages) == [True] and u.exists(keys) == [True]
+            with KvStoreClient(ucx.url, token=TOKEN, timeout=5.0) as third:
+                assert third.exists(keys) == [False]  # refused BUSY: a miss, not an error
+                assert "too many connections" in third.stats()[ucx.url]["error"]
+            assert admission.gate.turned_away >= 1 and admission.gate.open == 1
+            out = [np.zeros(PAGE, np.uint8)]
+            assert u.get(keys, out) == [True]
+            assert server.server.admission.budget.peak >= PAGE  # the ucx:// GET charged it
+    finally:
+        ucx.close()
+        server.close()
+        store.close()
+
+
+def test_stalled_frame_gives_its_budget_back_over_ucx() -> None:
+    """A ucx:// client that sends a PUT's header and control map, then stalls: refused after
+    the frame timeout, and the payload buffer's budget comes back."""
+    from banaserve.kvstore.protocol import HEADER_BYTES, Op, encode_head
+    from banaserve.kvstore.server import ServerConfig
+    from banaserve.kvstore.storage import TieredStore
+    from banaserve.kvstore.transport import parse_url
+    from banaserve.kvstore.transport.ucx import Kind, UcxTransport, as_array, tag, wait_requests
+    from banaserve.kvstore.ucx_server import start_ucx_listener
+
+    store = TieredStore(64 << 20)
+    config = ServerConfig(token=TOKEN, frame_timeout=0.3)
+    ucx = start_ucx_listener(store, config, "127.0.0.1", 0)
+    budget = ucx.admission.budget
+    client = UcxTransport(parse_url(ucx.url), 5.0)
+    try:
+        client.connect(TOKEN)
+        head = memoryview(encode_head(Op.PUT, 7, {"keys": [os.urandom(32)], "sizes": [PAGE]}, PAGE))
+        tags = client._libucxx.UCXXTag
+        sends = [
+            client._ep.tag_send(
+                as_array(head[:HEADER_BYTES]), tags(tag(client._conn_id, Kind.REQUEST_HEADER))
+            ),
+            client._ep.tag_send(
+                as_array(head[HEADER_BYTES:]), tags(tag(client._conn_id, Kind.REQUEST_CONTROL))
+            ),
+        ]
+        wait_requests(client._worker, sends, time.monotonic() + 5, "stall")
+        deadline = time.monotonic() + 10
+        while budget.peak < PAGE and time.monotonic() < deadline:
+            client._worker.progress()
+        assert budget.peak >= PAGE  # the payload buffer was charged
+        while budget.in_use and time.monotonic() < deadline:
+            client._worker.progress()
+        assert budget.in_use == 0 and ucx._info()["refused"] == 1
+    finally:
+        client.close()
+        ucx.close()
+        store.close()
+
+
+def test_clear_over_ucx() -> None:
+    """CLEAR over ucx:// drops every page for the shared token and is refused to a tenant."""
+    from banaserve.kvstore.server import ServerConfig
+    from banaserve.kvstore.storage import TieredStore
+    from banaserve.kvstore.ucx_server import start_ucx_listener
+
+    tokens = {"alpha": "alpha-token-0123456789"}
+    store = TieredStore(64 << 20)
+    ucx = start_ucx_listener(store, ServerConfig(token=TOKEN, tenant_tokens=tokens), "127.0.0.1", 0)
+    keys, pages = _pages(3)
+    try:
+        with (
+            KvStoreClient(ucx.url, token=TOKEN, timeout=5.0) as shared,
+            KvStoreClient(ucx.url, token=tokens["alpha"], timeout=5.0) as tenant,
+        ):
+            assert shared.put(keys[:2], pages[:2]) == [True, True]
+            assert tenant.put(keys[2:], pages[2:]) == [True]
+            with pytest.raises(KvStoreAuthError, match="CLEAR needs the shared token"):
+                tenant.clear()
+            assert tenant.exists(keys[2:]) == [True]
+            assert shared.clear() == 3
+            assert store.stats().ram_pages == 0
+            assert shared.exists(keys[:2]) == [False, False] and tenant.exists(keys[2:]) == [False]
+    finally:
+        ucx.close()
+        store.close()
