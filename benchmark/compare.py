@@ -140,6 +140,9 @@ def run_workload(
         return Result(system, workload.name, error=(run.stderr or run.stdout)[-500:])
     data = json.loads(result_file.read_text().splitlines()[-1])
     result = result_from_bench(system, workload.name, data)
+    if result.completed < workload.num_prompts:  # the rest failed: no throughput to compare
+        result.error = (f"{workload.num_prompts - result.completed} of {workload.num_prompts} "
+                        f"requests failed (see {system}-{workload.name}.log)")  # fmt: skip
     after = [attribution.scrape(u) for u in running.urls]
     gateway = None
     if ours:
