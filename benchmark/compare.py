@@ -2,7 +2,8 @@
 one run: the instrument every performance claim stands on.
 
 Usage: ``python benchmark/compare.py [--quick] [--repeat N] [--ablation] [--sweep]
-[--systems A,B] [--workloads X,Y] [--scale F] [--model PATH] [--out DIR]``
+[--systems A,B] [--workloads X,Y] [--scale F] [--model PATH] [--out DIR]
+[--include DIR...] [--report-only]``
 
 Systems (``compare_systems.py``; equal engine flags, KV pool, host pool and pinning):
 ``banaserve`` (2 prefill + 1 decode, pinned 0/1/0), the colocated baselines ``coloc_N_<policy>``
