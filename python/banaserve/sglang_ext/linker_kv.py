@@ -15,6 +15,8 @@ import torch
 
 from banaserve.kvstore.keys import KvLayout
 
+#: The first loads and offloads are logged at INFO (tests read them), later ones at DEBUG.
+LOG_FIRST_LOADS = 8
 #: The counters of ``BanaServeLinker.stats``, logged when the linker closes.
 STAT_NAMES = ("lookup_hits", "load_batches", "loaded_pages", "failed_loads", "offloaded_pages",
               "offloaded_from_capture")  # fmt: skip

@@ -19,14 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from banaserve.sglang_ext.linker_kv import DeviceKv
+from banaserve.sglang_ext.linker_kv import LOG_FIRST_LOADS, DeviceKv
 
 logger = logging.getLogger("banaserve.sglang_ext.kvstore_linker")
 
 #: Host staging slots per batch: the reader runs at most this many layers ahead of the copies.
 DEFAULT_DEPTH = 3
-#: The first loads are logged at INFO (tests read them), later ones at DEBUG.
-LOG_FIRST_LOADS = 8
 
 
 class _LoadBatch:

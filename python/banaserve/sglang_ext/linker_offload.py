@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
-from banaserve.sglang_ext.linker_kv import DeviceKv
-from banaserve.sglang_ext.linker_load import LOG_FIRST_LOADS
+from banaserve.sglang_ext.linker_kv import LOG_FIRST_LOADS, DeviceKv
 
 logger = logging.getLogger("banaserve.sglang_ext.kvstore_linker")
 
