@@ -17,9 +17,7 @@ from pathlib import Path
 
 from banaserve.platform import cpu_platform_wanted, install
 from banaserve.server.cli import (
-    KV_STORE_EMBEDDED,
     ClusterOptions,
-    KvStoreOptions,
     LaunchConfig,
     build_parser,
     cpu_dtype,
@@ -29,6 +27,7 @@ from banaserve.server.cli import (
 from banaserve.server.kv_pool_sizing import size_kv_pool
 from banaserve.server.memory_plan import host_pool_ratio
 from banaserve.server.request_limits import RequestLimits
+from banaserve.server.store_options import KV_STORE_EMBEDDED, KvStoreOptions
 from banaserve.utils.processes import ManagedProcess
 
 # The .pth file normally installed the hook already; this covers running from a source tree,
@@ -128,10 +127,10 @@ def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, lis
     if options.mode == "linker":
         from banaserve.sglang_ext.kvstore_linker import linker_args
 
-        return process, linker_args(urls, options.replication, options.tenant)
+        return process, linker_args(options, urls)
     from banaserve.sglang_ext.kvstore_backend import hicache_args
 
-    return process, hicache_args(urls, options.replication, options.tenant, options.coalesce_wait_s)
+    return process, hicache_args(options, urls)
 
 
 def add_request_guard(served_names: list[str], limits: RequestLimits) -> None:

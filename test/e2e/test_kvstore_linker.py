@@ -113,13 +113,16 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         shard.stop()
 
 
-def bare_linker(client, layers: int, depth: int, rows: int = 64, page: int = 4):  # noqa: ANN001, ANN201
-    """A BanaServeLinker on CPU tensors standing in for SGLang's KV pool (no server)."""
+def bare_linker(client, layers: int, depth: int, rows: int = 64, page: int = 4,  # noqa: ANN001, ANN201
+                model: str | None = None):  # fmt: skip
+    """A BanaServeLinker on CPU tensors standing in for SGLang's KV pool (no server); linkers
+    given the same ``model`` share a namespace (by default each has its own)."""
     import torch
 
     from banaserve.sglang_ext.kvstore_linker import BanaServeLinker
     from banaserve.sglang_ext.layer_store import LayerWiseStore
     from banaserve.sglang_ext.linker_kv import device_kv_of
+    from banaserve.sglang_ext.store_attachment import RankIdentity, StoreAttachment
 
     heads, dim = 2, 8
     kv = device_kv_of([torch.zeros(rows, heads, dim) for _ in range(layers)],
@@ -127,10 +130,10 @@ def bare_linker(client, layers: int, depth: int, rows: int = 64, page: int = 4):
     layer_store = LayerWiseStore(
         kv.k_buffers, kv.v_buffers, page_size=page, row_bytes=kv.row_bytes, device="cpu"
     )
-    return BanaServeLinker.assembled(
-        kv, client, os.urandom(32), owner=f"bare-linker-{os.urandom(4).hex()}",
-        layer_store=layer_store, depth=depth, lookup_wait_s=5.0,
-    )  # fmt: skip
+    store = StoreAttachment(client, RankIdentity(model or os.urandom(8).hex()), kv.layout,
+                            owner=f"bare-linker-{os.urandom(4).hex()}")  # fmt: skip
+    return BanaServeLinker.assembled(kv, store, layer_store=layer_store, depth=depth,
+                                     lookup_wait_s=5.0)  # fmt: skip
 
 
 def test_layer_wise_round_trip_reuses_staging_slots(store_url: str) -> None:
@@ -142,7 +145,8 @@ def test_layer_wise_round_trip_reuses_staging_slots(store_url: str) -> None:
 
     layers, page = 7, 4
     with KvStoreClient([store_url], token=TOKEN) as client:
-        src = bare_linker(client, layers, depth=2, page=page)
+        model = f"round-trip-{os.urandom(4).hex()}"  # the two linkers share a namespace
+        src = bare_linker(client, layers, depth=2, page=page, model=model)
         for buffer in (*src.kv.k_buffers, *src.kv.v_buffers):
             buffer.copy_(torch.randn_like(buffer))
         hashes = [f"page-{i}" for i in range(3)]
@@ -151,11 +155,10 @@ def test_layer_wise_round_trip_reuses_staging_slots(store_url: str) -> None:
         transfer = PoolTransfer(name=PoolName.KV, device_indices=slots, keys=hashes)
         assert src.offloader.store(transfer)
 
-        dst = bare_linker(client, layers, depth=2, page=page)
-        dst._namespace_digest = src._namespace_digest
+        dst = bare_linker(client, layers, depth=2, page=page, model=model)
         dst_rows = [0, 12, 52]
         batch = dst.layer_done_counter.new_batch()
-        dst.loader.start_batch(batch, dst._keys(hashes), dst_rows)
+        dst.loader.start_batch(batch, dst.store.keys(hashes), dst_rows)
         dst.layer_done_counter.set_consumer(batch.index)
         for layer in range(layers):  # what attention does: K and V wait on each layer
             dst.layer_done_counter.wait_until(layer)
@@ -180,7 +183,7 @@ def test_a_missing_page_fails_the_batch_without_raising_into_the_forward(store_u
     with KvStoreClient([store_url], token=TOKEN) as client:
         linker = bare_linker(client, layers, depth=2)
         batch = linker.layer_done_counter.new_batch()
-        linker.loader.start_batch(batch, linker._keys(["never-stored"]), [0])
+        linker.loader.start_batch(batch, linker.store.keys(["never-stored"]), [0])
         linker.layer_done_counter.set_consumer(batch.index)
         for layer in range(layers):
             linker.layer_done_counter.wait_until(layer)  # never raises
@@ -188,7 +191,7 @@ def test_a_missing_page_fails_the_batch_without_raising_into_the_forward(store_u
         assert linker.stats["failed_loads"] == 1
         # A batch the forward never waited on is finished (and fails) just the same.
         batch = linker.layer_done_counter.new_batch()
-        linker.loader.start_batch(batch, linker._keys(["never-stored-either"]), [4])
+        linker.loader.start_batch(batch, linker.store.keys(["never-stored-either"]), [4])
         assert not linker.finish_layer_wise_loading(batch.index)
 
 
@@ -220,7 +223,7 @@ def test_the_offload_puts_the_pages_the_forward_copied(store_url: str) -> None:
         # What the store holds is what a gather from the device rows gives.
         gathered = linker.offloader.gather(slots)
         back = [np.empty(gathered[0].numel(), dtype=np.uint8) for _ in keys]
-        assert all(client.get(linker._keys(keys), back))
+        assert all(client.get(linker.store.keys(keys), back))
         for p in range(2):
             assert np.array_equal(back[p], gathered[p].numpy().reshape(-1)), p
 
@@ -244,9 +247,9 @@ def test_a_lookup_waits_for_pages_another_instance_claimed(store_url: str) -> No
         KvStoreClient([store_url], token=TOKEN) as a_client,
         KvStoreClient([store_url], token=TOKEN) as b_client,
     ):
-        prefill = bare_linker(a_client, layers, depth=2, page=page)
-        decode = bare_linker(b_client, layers, depth=2, page=page)
-        decode._namespace_digest = prefill._namespace_digest
+        model = f"handoff-{os.urandom(4).hex()}"  # the two linkers share a namespace
+        prefill = bare_linker(a_client, layers, depth=2, page=page, model=model)
+        decode = bare_linker(b_client, layers, depth=2, page=page, model=model)
         assert prefill.lookup("r1", lookup) == []  # a miss that claims the three pages
         slots = torch.arange(0, 3 * page)
         offload = threading.Timer(

@@ -31,11 +31,11 @@ from banaserve.router.request_shape import shape_request
 from banaserve.server.cli import (
     KV_STORE_VALUE_FLAGS,
     ROUTER_POLICIES,
-    KvStoreOptions,
     build_parser,
     drop_flags,
 )
 from banaserve.server.request_validation import CHAT, COMPLETIONS, GENERATE
+from banaserve.server.store_options import KvStoreOptions
 from banaserve.utils.processes import free_port
 from support.gateway import Handler, gateway_for, post, upstream
 

@@ -38,13 +38,13 @@ from banaserve.server.cli import (
     CLUSTER_VALUE_FLAGS,
     KV_STORE_VALUE_FLAGS,
     ClusterOptions,
-    KvStoreOptions,
     cpu_dtype,
     drop_flags,
 )
 from banaserve.server.kv_pool_sizing import available_memory_bytes, size_kv_pool
 from banaserve.server.memory_plan import MemoryPlan, host_pool_ratio, plan_memory
 from banaserve.server.request_limits import ModelLimits
+from banaserve.server.store_options import KvStoreOptions
 from banaserve.utils.processes import ChildFailed, ManagedProcess, exit_on_sigterm, free_port
 
 logger = logging.getLogger("banaserve.cluster")

@@ -9,7 +9,6 @@ the SGLang flags with BanaServe's defaults filled in.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from banaserve.cluster.restart_policy import RestartPolicy
@@ -19,17 +18,11 @@ from banaserve.server.request_limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     RequestLimits,
 )
-from banaserve.sglang_ext.store_attachment import DEFAULT_COALESCE_WAIT_S
+from banaserve.server.store_options import KvStoreOptions
 
 PROG = "python -m banaserve.launch_server"
-KV_STORE_MODES = ("hicache", "linker")
-#: ``--kv-store`` values that are not shard URLs: start one shard here / attach no store.
-KV_STORE_EMBEDDED = "embedded"
-KV_STORE_NONE = "none"
 #: Every ``--kv-store*`` flag that takes a value (a test checks the parser has no other).
-KV_STORE_VALUE_FLAGS = ("--kv-store", "--kv-store-token", "--kv-store-replication",
-                        "--kv-store-capacity-gb", "--kv-store-tenant", "--kv-store-mode",
-                        "--kv-store-coalesce-wait-s")  # fmt: skip
+KV_STORE_VALUE_FLAGS = KvStoreOptions.value_flags()
 #: The dtype BanaServe's CPU defaults run a model in when ``--dtype`` is SGLang's "auto":
 #: on SGLang's CPU engine SmolLM2-135M decodes at 11 tok/s in float32, 4.3 in bfloat16 (its
 #: checkpoint's dtype, which "auto" would pick).
@@ -117,62 +110,6 @@ def cpu_dtype(dtype: str) -> str:
     return CPU_DEFAULT_DTYPE if dtype == "auto" else dtype
 
 
-def kv_store_is_none(args: argparse.Namespace) -> bool:
-    """``--kv-store none``: no store at all, not even a cluster's embedded one."""
-    return (args.kv_store or "").strip() == KV_STORE_NONE
-
-
-@dataclass(frozen=True)
-class KvStoreOptions:
-    """``--kv-store*`` flags: shard URLs, or ``embedded`` (start one shard here); None for
-    no store (no ``--kv-store``, or ``--kv-store none``)."""
-
-    urls: list[str]
-    embedded: bool
-    token: str | None
-    replication: int
-    capacity_gb: float
-    tenant: str
-    mode: str = "hicache"
-    coalesce_wait_s: float = DEFAULT_COALESCE_WAIT_S
-
-    def instance_flags(self, urls: Sequence[str]) -> list[str]:
-        """The flags that attach one instance of a cluster to the store at ``urls``, which
-        :meth:`from_args` reads back into these options (with those urls, not embedded). No
-        token: it travels in the instance's environment, never its argv."""
-        return [
-            "--kv-store", ",".join(urls),
-            "--kv-store-replication", str(self.replication),
-            "--kv-store-tenant", self.tenant,
-            "--kv-store-mode", self.mode,
-            "--kv-store-coalesce-wait-s", repr(self.coalesce_wait_s),
-        ]  # fmt: skip
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> KvStoreOptions | None:
-        if not args.kv_store or kv_store_is_none(args):
-            return None
-        embedded = args.kv_store.strip() == KV_STORE_EMBEDDED
-        urls = [] if embedded else [u.strip() for u in args.kv_store.split(",") if u.strip()]
-        for url in urls:
-            if "://" not in url:
-                raise ValueError(f"--kv-store: {url!r} is not a URL like tcp://host:port")
-        if args.kv_store_coalesce_wait_s < 0:
-            raise ValueError("--kv-store-coalesce-wait-s must not be negative")
-        if args.kv_store_replication < 1:
-            raise ValueError("--kv-store-replication must be at least 1")
-        if not embedded and args.kv_store_replication > len(urls):
-            raise ValueError(
-                f"--kv-store-replication {args.kv_store_replication} needs at least as many "
-                f"shards, got {len(urls)}"
-            )
-        return cls(
-            urls, embedded, args.kv_store_token, args.kv_store_replication,
-            args.kv_store_capacity_gb, args.kv_store_tenant, args.kv_store_mode,
-            args.kv_store_coalesce_wait_s,
-        )  # fmt: skip
-
-
 def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("BanaServe")
     group.add_argument(
@@ -210,59 +147,7 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         help=f"Most completions one request may ask for (n, best_of; default: {DEFAULT_MAX_N}).",
     )
     store = parser.add_argument_group("BanaServe KV store")
-    store.add_argument(
-        "--kv-store",
-        metavar=f"URL[,URL...]|{KV_STORE_EMBEDDED}|{KV_STORE_NONE}",
-        default=None,
-        help="Attach this server to the Global KV Cache Store: a comma-separated list of shard "
-        f"URLs (tcp://, shm://, ucx://), or '{KV_STORE_EMBEDDED}' to start one shard for this "
-        f"server. A cluster starts its own shard by default; '{KV_STORE_NONE}' runs it without "
-        "any store (no KV handoff: every request runs whole on the least loaded instance).",
-    )
-    store.add_argument(
-        "--kv-store-token",
-        default=None,
-        help="Shared token of the store (default: $BANASERVE_KV_STORE_TOKEN; with 'embedded', "
-        "a random one).",
-    )
-    store.add_argument(
-        "--kv-store-replication",
-        type=int,
-        default=1,
-        help="Copies of each page across shards (default: 1).",
-    )
-    store.add_argument(
-        "--kv-store-capacity-gb",
-        type=float,
-        default=2.0,
-        help="RAM of the embedded store shard in GiB (default: 2).",
-    )
-    store.add_argument(
-        "--kv-store-tenant",
-        default="",
-        help="Tenant name: instances of different tenants never share pages. A namespace the "
-        "client picks, not a permission: a store with per-tenant tokens (--tenant-tokens) "
-        "enforces tenants itself, from the token.",
-    )
-    store.add_argument(
-        "--kv-store-mode",
-        choices=KV_STORE_MODES,
-        default="hicache",
-        help="How SGLang reaches the store: 'hicache' (the default: HiCache L3 storage behind "
-        "a host KV pool) or 'linker' (SGLang's external linker: prefix KV is loaded from the "
-        "store straight into the device pool, layer by layer through BanaServe's pipeline, "
-        "the forward waiting per layer, and new pages leave the device layer by layer during "
-        "the forward; MHA models only).",
-    )
-
-    store.add_argument(
-        "--kv-store-coalesce-wait-s",
-        type=float,
-        default=DEFAULT_COALESCE_WAIT_S,
-        help="When a prompt's pages are being computed by another request (on any instance), "
-        "wait up to this long for them to reach the store instead of computing them again "
-        f"(default: {DEFAULT_COALESCE_WAIT_S:g}; 0 turns coalescing off).",
-    )
+    KvStoreOptions.add_args(store)
     cluster = parser.add_argument_group("BanaServe cluster")
     cluster.add_argument(
         "--num-prefill",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from banaserve.kvstore import TOKEN_ENV
-from banaserve.server.cli import KvStoreOptions
+from banaserve.server.store_options import KvStoreOptions
 from banaserve.utils.processes import ManagedProcess
 
 

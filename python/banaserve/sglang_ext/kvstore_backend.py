@@ -28,27 +28,18 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from banaserve.kvstore.keys import KvLayout, namespaced_key
-from banaserve.sglang_ext import abort_release, request_context
-from banaserve.sglang_ext.store_attachment import (
-    CLAIM_LEASE_S,
-    DEFAULT_COALESCE_WAIT_S,
-    instance_namespace,
-    open_client,
-)
+from banaserve.kvstore.keys import KvLayout
+from banaserve.server.store_options import KvStoreOptions
+from banaserve.sglang_ext import request_context
+from banaserve.sglang_ext.store_attachment import RankIdentity, StoreAttachment, open_client
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "banaserve"
 
 
-def hicache_args(
-    urls: Sequence[str],
-    replication: int = 1,
-    tenant: str = "",
-    coalesce_wait_s: float = DEFAULT_COALESCE_WAIT_S,
-) -> list[str]:
-    """SGLang flags that attach an instance to the store at ``urls``.
+def hicache_args(options: KvStoreOptions, urls: Sequence[str]) -> list[str]:
+    """SGLang flags that attach an instance to the store at ``urls`` with ``options``.
 
     The token is not among them (it would show in ``ps``): the backend reads it from
     ``BANASERVE_KV_STORE_TOKEN``, which SGLang's child processes inherit.
@@ -58,10 +49,7 @@ def hicache_args(
         "module_path": __name__,
         "class_name": BanaServeKvStore.__name__,
         "interface_v1": 1,
-        "urls": list(urls),
-        "replication": replication,
-        "tenant": tenant,
-        "coalesce_wait_s": coalesce_wait_s,
+        **options.to_extra(urls),
     }
     return [
         "--enable-hierarchical-cache",
@@ -86,25 +74,24 @@ class BanaServeKvStore(HiCacheStorage):
     """HiCache storage backed by BanaServe's store; called from SGLang's prefetch and backup
     threads at once (the client is thread-safe).
 
-    Owns its store client and, with coalescing on, a claim ledger. The host pool's memory is
+    Owns its store client and, once the host pool is registered, its :class:`StoreAttachment`
+    (with coalescing on, claiming per request). The host pool's memory is
     SGLang's: pages are read from and written into it in place, valid for the call. Lookups
     block their (prefetch) thread for up to ``coalesce_wait_s`` on pages another request is
     computing; gets and puts block on the store.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any]) -> None:
-        extra = storage_config.extra_config or {}
+        options = KvStoreOptions.from_extra(storage_config.extra_config or {})
         self.config = storage_config
-        self.tenant = str(extra.get("tenant", ""))
-        self.client = open_client(extra, "the banaserve HiCache backend")
-        self.coalesce_wait_s = float(extra.get("coalesce_wait_s", DEFAULT_COALESCE_WAIT_S))
-        self._owner_prefix = f"{socket.gethostname()}:{os.getpid()}:{storage_config.tp_rank}"
-        self._ledger: abort_release.ClaimLedger | None = None
+        self.tenant = options.tenant
+        # Opened now so that a bad config fails the instance's start; attached to a namespace
+        # once the host pool says what its pages look like.
+        self._client = open_client(options, "the banaserve HiCache backend")
+        self.coalesce_wait_s = options.coalesce_wait_s
         if self.coalesce_wait_s > 0:
             request_context.install()
-            self._ledger = abort_release.ClaimLedger(self._release_claims, CLAIM_LEASE_S)
-            abort_release.register(self._ledger)
-        self._namespace_digest: bytes | None = None
+        self._store: StoreAttachment | None = None
         self.mem_pool_host: Any = None
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -122,18 +109,25 @@ class BanaServeKvStore(HiCacheStorage):
             page_size=int(mem_pool_host.page_size),
         )
         config = self.config
-        self._namespace_digest = instance_namespace(
-            config.model_name,
-            (config.tp_rank, config.tp_size),
-            (config.pp_rank, config.pp_size),
+        self._store = StoreAttachment(
+            self._client,
+            RankIdentity(
+                config.model_name,
+                (config.tp_rank, config.tp_size),
+                (config.pp_rank, config.pp_size),
+                self.tenant,
+            ),
             self.layout,
-            self.tenant,
+            owner=f"{socket.gethostname()}:{os.getpid()}:{config.tp_rank}",
+            per_request_owner=True,
+            claims=self.coalesce_wait_s > 0,
         )
 
-    def _keys(self, keys: Sequence[str]) -> list[bytes]:
-        if self._namespace_digest is None:
+    @property
+    def store(self) -> StoreAttachment:
+        if self._store is None:
             raise RuntimeError("the host KV pool was not registered with the store backend")
-        return [namespaced_key(self._namespace_digest, key) for key in keys]
+        return self._store
 
     def _page_buffers(self, host_indices: Any, pages: int) -> list[list[memoryview]]:
         pointers, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
@@ -152,25 +146,10 @@ class BanaServeKvStore(HiCacheStorage):
         SGLang's prefetch thread, so a wait delays only requests still waiting for their
         prefetch, never the running batch."""
         request_id = request_context.current_request_id()
-        if self._ledger is None or request_id is None:
-            return self.client.longest_prefix(self._keys(keys))
-        store_keys = self._keys(keys)
-        hit = self.client.lookup(
-            store_keys,
-            owner=self._owner(request_id),
-            wait_s=self.coalesce_wait_s,
-            lease_s=CLAIM_LEASE_S,
-        )
-        # The missing tail is claimed (where no one else holds it) until this request's
-        # pages are stored, or released if it is aborted first.
-        self._ledger.record(request_id, store_keys[hit:])
-        return hit
-
-    def _owner(self, request_id: str) -> str:
-        return f"{self._owner_prefix}/{request_id}"
-
-    def _release_claims(self, request_id: str, store_keys: list[bytes]) -> None:
-        self.client.release(store_keys, self._owner(request_id))
+        store_keys = self.store.keys(keys)
+        if self.store.ledger is None or request_id is None:
+            return self._client.longest_prefix(store_keys)
+        return self.store.claiming_lookup(request_id, store_keys, self.coalesce_wait_s)
 
     def batch_get_v1(
         self,
@@ -180,7 +159,7 @@ class BanaServeKvStore(HiCacheStorage):
     ) -> list[bool]:
         if not keys:
             return []
-        return self.client.get(self._keys(keys), self._page_buffers(host_indices, len(keys)))
+        return self._client.get(self.store.keys(keys), self._page_buffers(host_indices, len(keys)))
 
     def batch_set_v1(
         self,
@@ -190,10 +169,10 @@ class BanaServeKvStore(HiCacheStorage):
     ) -> list[bool]:
         if not keys:
             return []
-        return self.client.put(self._keys(keys), self._page_buffers(host_indices, len(keys)))
+        return self._client.put(self.store.keys(keys), self._page_buffers(host_indices, len(keys)))
 
     def exists(self, key: str) -> bool:
-        return self.client.exists(self._keys([key]))[0]
+        return self._client.exists(self.store.keys([key]))[0]
 
     # The legacy tensor interface: SGLang does not call it with interface_v1; it is abstract
     # in HiCacheStorage, so it must exist, and it refuses clearly rather than misbehave.
@@ -216,4 +195,4 @@ class BanaServeKvStore(HiCacheStorage):
         logger.info("HiCache clear ignored: the BanaServe store is shared with other instances")
 
     def close(self) -> None:
-        self.client.close()
+        self._client.close()

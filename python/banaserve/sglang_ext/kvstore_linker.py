@@ -7,9 +7,10 @@ Loaded by SGLang with::
     --unified-cache-external-linker-backend dynamic
     --unified-cache-external-linker-config '{"linker": "BanaServeLinker",
         "linker_module_path": "banaserve.sglang_ext.kvstore_linker",
-        "linker_extra_config": {"urls": [...], "replication": 1, "tenant": ""}}'
+        "linker_extra_config": {"urls": [...], "replication": 1, "tenant": "", ...}}'
 
-(:func:`linker_args` builds them). The token comes from ``BANASERVE_KV_STORE_TOKEN`` (or
+(:func:`linker_args` builds them from :class:`banaserve.server.store_options.KvStoreOptions`,
+whose ``from_extra`` reads them back). The token comes from ``BANASERVE_KV_STORE_TOKEN`` (or
 ``token`` in the extra config).
 
 Keys: the tree hands the linker SGLang's chained per-page storage hashes; the store key
@@ -47,13 +48,12 @@ from sglang.srt.mem_cache.hybrid_cache.linker_pool_assembler import _mha_device_
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
-from banaserve.kvstore.keys import namespaced_key
-from banaserve.sglang_ext import abort_release
+from banaserve.server.store_options import KvStoreOptions
 from banaserve.sglang_ext.layer_store import DEFAULT_BUDGET_BYTES, LayerWiseStore
 from banaserve.sglang_ext.linker_kv import DeviceKv, device_kv_of, new_stats
 from banaserve.sglang_ext.linker_load import DEFAULT_DEPTH, BanaServeLayerCounter, LayerLoader
 from banaserve.sglang_ext.linker_offload import Offloader
-from banaserve.sglang_ext.store_attachment import CLAIM_LEASE_S, instance_namespace, open_client
+from banaserve.sglang_ext.store_attachment import RankIdentity, StoreAttachment, open_client
 
 __all__ = ["BanaServeLayerCounter", "BanaServeLinker", "linker_args"]
 
@@ -65,16 +65,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_LOOKUP_WAIT_S = 1.0
 
 
-def linker_args(urls: Sequence[str], replication: int = 1, tenant: str = "") -> list[str]:
+def linker_args(options: KvStoreOptions, urls: Sequence[str]) -> list[str]:
     """SGLang flags that attach an instance to the store at ``urls`` through this linker."""
     config = {
         "linker": BanaServeLinker.__name__,
         "linker_module_path": __name__,
-        "linker_extra_config": {
-            "urls": list(urls),
-            "replication": replication,
-            "tenant": tenant,
-        },
+        "linker_extra_config": options.to_extra(urls),
     }
     return [
         "--enable-unified-cache-external-linker",
@@ -86,9 +82,10 @@ def linker_args(urls: Sequence[str], replication: int = 1, tenant: str = "") -> 
 class BanaServeLinker(UnifiedCacheLinker):
     """Direct device <-> BanaServe KV store linker (MHA models only).
 
-    Owns: the store client, the layer-wise store (host copies of freshly computed layers), its
-    :class:`LayerLoader` (per started load batch a staging buffer and a reader thread, joined
-    in :meth:`finish_layer_wise_loading`) and its :class:`Offloader` (one thread). The device
+    Owns: its :class:`StoreAttachment` (client, namespace, claims), the layer-wise store (host
+    copies of freshly computed layers), its :class:`LayerLoader` (per started load batch a
+    staging buffer and a reader thread, joined in :meth:`finish_layer_wise_loading`) and its
+    :class:`Offloader` (one thread). The device
     KV rows are SGLang's; the linker writes only rows SGLang handed it in ``load`` and reads
     only rows handed it in ``offload``.
 
@@ -157,17 +154,19 @@ class BanaServeLinker(UnifiedCacheLinker):
         )
         pp_rank = int(getattr(params, "pp_rank", 0) or 0)
         pp_size = int(getattr(params, "pp_size", 1) or 1)
-        self.tenant = str(extra.get("tenant", ""))
-        namespace = instance_namespace(
-            model_name, (tp_rank, tp_size), (pp_rank, pp_size), kv.layout, self.tenant
-        )
-        self._assemble(
-            kv,
-            open_client(extra, "BanaServeLinker (linker_extra_config)"),
-            namespace,
+        options = KvStoreOptions.from_extra(extra)
+        rank = RankIdentity(model_name, (tp_rank, tp_size), (pp_rank, pp_size), options.tenant)
+        store = StoreAttachment(
+            open_client(options, "BanaServeLinker (linker_extra_config)"),
+            rank,
+            kv.layout,
             # One owner per instance, not per request: a lookup runs on the scheduler thread,
             # which must never wait for a page that only its own next batch will compute.
             owner=f"{socket.gethostname()}:{os.getpid()}:linker:{tp_rank}",
+        )
+        self._assemble(
+            kv,
+            store,
             layer_store=layer_store,
             depth=int(extra.get("depth", DEFAULT_DEPTH)),
             lookup_wait_s=float(extra.get("lookup_wait_s", DEFAULT_LOOKUP_WAIT_S)),
@@ -182,17 +181,15 @@ class BanaServeLinker(UnifiedCacheLinker):
             model_name,
             tp_rank,
             tp_size,
-            self.client.urls,
+            store.client.urls,
         )
 
     @classmethod
     def assembled(
         cls,
         kv: DeviceKv,
-        client: Any,
-        namespace: bytes,
+        store: StoreAttachment,
         *,
-        owner: str,
         layer_store: LayerWiseStore,
         depth: int = DEFAULT_DEPTH,
         lookup_wait_s: float = DEFAULT_LOOKUP_WAIT_S,
@@ -201,18 +198,15 @@ class BanaServeLinker(UnifiedCacheLinker):
         """A linker over ``kv`` from its parts, without SGLang's KV pool (a test's tensors);
         ``load`` needs SGLang's pool description, the rest does not."""
         linker = cls.__new__(cls)
-        linker.tenant = ""
-        linker._assemble(kv, client, namespace, owner=owner, layer_store=layer_store,
-                         depth=depth, lookup_wait_s=lookup_wait_s, name=name)  # fmt: skip
+        linker._assemble(kv, store, layer_store=layer_store, depth=depth,
+                         lookup_wait_s=lookup_wait_s, name=name)  # fmt: skip
         return linker
 
     def _assemble(
         self,
         kv: DeviceKv,
-        client: Any,
-        namespace: bytes,
+        store: StoreAttachment,
         *,
-        owner: str,
         layer_store: LayerWiseStore,
         depth: int,
         lookup_wait_s: float,
@@ -221,23 +215,17 @@ class BanaServeLinker(UnifiedCacheLinker):
         self.kv = kv
         self.page_size = kv.page_size
         self.num_layers = kv.num_layers
-        self.client = client
-        self._namespace_digest = namespace
-        self.owner = owner
+        self.store = store
         self.layer_store = layer_store
         self.lookup_wait_s = lookup_wait_s
         self.stats = new_stats()
-        self.loader = LayerLoader(kv, client, depth, self.stats)
+        self.loader = LayerLoader(kv, store.client, depth, self.stats)
         self.layer_done_counter = self.loader.counter
         self.pending_loads: dict[str, list[PoolTransfer]] = {}
-        self._ledger = abort_release.ClaimLedger(self._release_claims, CLAIM_LEASE_S)
-        abort_release.register(self._ledger)
-        self.offloader = Offloader(kv, client, self._keys, self.stats, f"banaserve-offload-{name}")
+        self.offloader = Offloader(kv, store.client, store.keys, self.stats,
+                                   f"banaserve-offload-{name}")  # fmt: skip
 
     # -- keys ----------------------------------------------------------------------------
-
-    def _keys(self, keys: Sequence[str]) -> list[bytes]:
-        return [namespaced_key(self._namespace_digest, key) for key in keys]
 
     @staticmethod
     def _kv(transfers: Sequence[PoolTransfer]) -> PoolTransfer | None:
@@ -254,21 +242,14 @@ class BanaServeLinker(UnifiedCacheLinker):
         if kv is None or not kv.keys:
             return []
         try:
-            keys = self._keys(kv.keys)
-            hit = self.client.lookup(
-                keys, owner=self.owner, wait_s=self.lookup_wait_s, lease_s=CLAIM_LEASE_S
-            )
+            hit = self.store.claiming_lookup(rid, self.store.keys(kv.keys), self.lookup_wait_s)
         except Exception:  # the store is an optimisation: an error is a miss
             logger.exception("BanaServe linker lookup failed")
             return []
-        self._ledger.record(rid, keys[hit:])
         if hit:
             self.stats["lookup_hits"] += 1
             logger.debug("BanaServe linker lookup: rid=%s pages=%d", rid, hit)
         return list(range(1, hit + 1))
-
-    def _release_claims(self, rid: str, keys: list[bytes]) -> None:
-        self.client.release(keys, self.owner)
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = self._kv(transfers)
@@ -295,7 +276,7 @@ class BanaServeLinker(UnifiedCacheLinker):
             keys.extend(kv.keys)
             rows.extend(self._rows(kv.device_indices))
         self.layer_store.forget_pages(rows)  # the load overwrites these pages' rows
-        return self.loader.start(self._keys(keys), rows)
+        return self.loader.start(self.store.keys(keys), rows)
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return self.loader.finish(counter_index)
@@ -335,4 +316,4 @@ class BanaServeLinker(UnifiedCacheLinker):
         logger.info(
             "BanaServe linker stats: %s; layer-wise store: %s", self.stats, self.layer_store.stats
         )
-        self.client.close()
+        self.store.close()

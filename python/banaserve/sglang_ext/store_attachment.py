@@ -1,5 +1,7 @@
 """What SGLang's two ways into the store (the HiCache backend and the external linker) share:
-the client built from their extra config, and the key namespace of one instance's pages.
+one :class:`StoreAttachment` per instance rank, holding the client built from their extra
+config, the key namespace of that rank's pages, its claim owner, its claim ledger and its KV
+layout.
 
 Both must agree on the namespace, or an instance in one mode would not find the pages an
 instance in the other mode stored.
@@ -8,13 +10,17 @@ instance in the other mode stored.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from banaserve.kvstore import TOKEN_ENV
-from banaserve.kvstore.keys import KvLayout, Namespace
+from banaserve.kvstore.keys import KvLayout, Namespace, namespaced_key
+from banaserve.sglang_ext import abort_release
 
 if TYPE_CHECKING:
     from banaserve.kvstore.client import KvStoreClient
+    from banaserve.server.store_options import KvStoreOptions
 
 #: How long a claim on missing pages holds without their PUT, in both adapters: past it, an
 #: instance waiting for the pages computes them itself. Longer than a prefill takes here under
@@ -22,26 +28,20 @@ if TYPE_CHECKING:
 #: computed twice; a lost claim costs nothing more, since an aborted request releases its
 #: claims and a dead process's claims end with its connection.
 CLAIM_LEASE_S = 60.0
-#: How long the HiCache backend waits for pages another request is computing (the CLI's
-#: ``--kv-store-coalesce-wait-s`` default, and the backend's when its extra config says
-#: nothing): long enough to cover a prefill under load. The backend waits on SGLang's
-#: prefetch thread, so only requests still prefetching wait; the linker looks up on the
-#: scheduler thread and bounds its wait far shorter (its ``lookup_wait_s``).
-DEFAULT_COALESCE_WAIT_S = 30.0
 
 
-def open_client(extra: dict[str, Any], who: str) -> KvStoreClient:
-    """A client for the shard ``urls`` of ``extra``; the token from ``extra`` or
-    ``$BANASERVE_KV_STORE_TOKEN``. ``who`` names the caller in the error for missing urls."""
+def open_client(options: KvStoreOptions, who: str) -> KvStoreClient:
+    """A client for the shards of ``options`` (read from an adapter's extra config); the token
+    from there or ``$BANASERVE_KV_STORE_TOKEN``. ``who`` names the caller in the error for
+    missing urls."""
     from banaserve.kvstore.client import KvStoreClient
 
-    urls = extra.get("urls")
-    if not urls:
+    if not options.urls:
         raise ValueError(f"{who} needs 'urls' in its extra config")
     return KvStoreClient(
-        urls,
-        token=extra.get("token") or os.environ.get(TOKEN_ENV),
-        replication=int(extra.get("replication", 1)),
+        options.urls,
+        token=options.token or os.environ.get(TOKEN_ENV),
+        replication=options.replication,
     )
 
 
@@ -56,3 +56,72 @@ def instance_namespace(
     its own shard of the heads (tp) and layers (pp), so ranks never share keys."""
     model = f"{model_name or ''}|tp{tp[0]}/{tp[1]}|pp{pp[0]}/{pp[1]}"
     return Namespace(model, layout, tenant).digest()
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Which pages a rank owns: its model, its (tensor, pipeline)-parallel position and tenant."""
+
+    model_name: str | None
+    tp: tuple[int, int] = (0, 1)
+    pp: tuple[int, int] = (0, 1)
+    tenant: str = ""
+
+
+@dataclass
+class StoreAttachment:
+    """One instance rank's attachment to the store.
+
+    Owns ``client`` (closed by :meth:`close`) and ``ledger``, which is registered with
+    :mod:`~banaserve.sglang_ext.abort_release` so that an aborted request's claims are ended.
+    ``namespace`` (derived from ``rank`` and ``layout``) never changes. Claims are held by
+    ``owner``, or with ``per_request_owner`` by ``owner/<request id>``: the HiCache backend
+    looks up on a prefetch thread, where a request may wait for another request's pages of the
+    same instance; the linker looks up on the scheduler thread, which must never wait for pages
+    only its own next batch computes, so it claims as the instance. Thread-safe as the client
+    and the ledger are; :meth:`claiming_lookup` blocks for a store round trip and up to its
+    ``wait_s``.
+    """
+
+    client: KvStoreClient
+    rank: RankIdentity
+    layout: KvLayout
+    owner: str
+    per_request_owner: bool = False
+    claims: bool = True
+    namespace: bytes = field(init=False)
+    ledger: abort_release.ClaimLedger | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        rank = self.rank
+        self.namespace = instance_namespace(
+            rank.model_name, rank.tp, rank.pp, self.layout, rank.tenant
+        )
+        if self.claims:
+            self.ledger = abort_release.ClaimLedger(self._release, CLAIM_LEASE_S)
+            abort_release.register(self.ledger)
+
+    def keys(self, keys: Sequence[str]) -> list[bytes]:
+        """The store keys of SGLang's page hashes ``keys``."""
+        return [namespaced_key(self.namespace, key) for key in keys]
+
+    def owner_of(self, request_id: str) -> str:
+        return f"{self.owner}/{request_id}" if self.per_request_owner else self.owner
+
+    def claiming_lookup(self, request_id: str, keys: list[bytes], wait_s: float) -> int:
+        """Leading ``keys`` stored, after waiting up to ``wait_s`` for those another owner is
+        computing; the missing tail is claimed for ``request_id`` until its pages are stored,
+        or released if it is aborted first. Needs ``claims``."""
+        if self.ledger is None:
+            raise RuntimeError("this store attachment was opened without claims")
+        hit = self.client.lookup(
+            keys, owner=self.owner_of(request_id), wait_s=wait_s, lease_s=CLAIM_LEASE_S
+        )
+        self.ledger.record(request_id, keys[hit:])
+        return hit
+
+    def _release(self, request_id: str, keys: list[bytes]) -> None:
+        self.client.release(keys, self.owner_of(request_id))
+
+    def close(self) -> None:
+        self.client.close()
