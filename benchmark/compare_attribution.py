@@ -14,6 +14,11 @@ SGLang 0.5.23 series used (every instance, summed over instances and label sets)
   turned into bytes with the model's KV bytes per token;
 - ``sglang:kv_transfer_total_mb_sum`` and ``sglang:kv_transfer_latency_ms_sum``: stock PD's
   KV transfer (Mooncake), where it reports them.
+
+and BanaServe's ``banaserve:kv_store_seconds_total{op}``
+(:mod:`banaserve.sglang_ext.store_metrics`): the seconds its instances spent looking pages up
+in the store (with the wait for pages another instance is computing: a handoff's wait for its
+prefill), reading them and writing them.
 """
 
 from __future__ import annotations
@@ -27,24 +32,31 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 PREFILL_STAGES = ("prefill_forward", "prefill_chunked_forward")
+STORE_SECONDS = "banaserve:kv_store_seconds_total"
 
-#: One instance's scrape: (sample name, stage label) -> value summed over its label sets.
+#: One instance's scrape: (sample name, its ``stage`` or ``op`` label) -> value summed over its
+#: label sets.
 Scrape = dict[tuple[str, str], float]
 
 
 def scrape(url: str) -> Scrape:
-    """``url/metrics`` summed per sample name and ``stage`` label ({} if it does not answer;
-    histogram buckets are skipped)."""
+    """``url/metrics`` parsed ({} if it does not answer)."""
     try:
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            text = response.read().decode()
+            return parse(response.read().decode())
     except OSError:
         return {}
+
+
+def parse(text: str) -> Scrape:
+    """Prometheus text summed per sample name and ``stage`` (or ``op``) label; histogram
+    buckets are skipped."""
     out: Scrape = defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not sample.name.endswith("_bucket"):
-                out[sample.name, sample.labels.get("stage", "")] += sample.value
+                label = sample.labels.get("stage") or sample.labels.get("op", "")
+                out[sample.name, label] += sample.value
     return dict(out)
 
 
@@ -80,6 +92,11 @@ class Attribution:
     #: Stock PD's KV transfer (Mooncake), MB and seconds.
     transfer_mb: float = 0.0
     transfer_s: float = 0.0
+    #: BanaServe's store calls: lookups (with their waits for pages being computed elsewhere:
+    #: the handoff's wait), reads and writes, seconds. Writes run off the request's path.
+    store_lookup_s: float = 0.0
+    store_get_s: float = 0.0
+    store_put_s: float = 0.0
     #: BanaServe's gateway: requests sent through the prefill -> store -> decode handoff,
     #: run whole on one instance, and held to follow another's prefill.
     handoffs: int = 0
@@ -108,6 +125,9 @@ def attribute(
         out.l3_get_mb += delta(b, a, "sglang:prefetched_tokens_total") * kv_bytes / 1e6
         out.transfer_mb += delta(b, a, "sglang:kv_transfer_total_mb_sum")
         out.transfer_s += delta(b, a, "sglang:kv_transfer_latency_ms_sum") / 1000
+        out.store_lookup_s += delta(b, a, STORE_SECONDS, "lookup")
+        out.store_get_s += delta(b, a, STORE_SECONDS, "get")
+        out.store_put_s += delta(b, a, STORE_SECONDS, "put")
     if gateway:
         out.handoffs, out.direct = gateway.get("handoffs", 0), gateway.get("direct", 0)
         out.followed = gateway.get("followed", 0)
@@ -128,13 +148,17 @@ def counters_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, i
 
 
 def print_attribution(rows: list[tuple[str, str, Attribution]]) -> None:
-    """Per request, in ms (queue, prefill, decode, transfer) and MB (L3, transfer)."""
+    """Per request, in ms (queue, prefill, decode, transfer, store calls) and MB (L3,
+    transfer)."""
     print(f"\n{'system':<26}{'workload':<22}{'reqs':>5}{'queue ms':>10}{'prefill ms':>11}"
           f"{'decode ms':>10}{'L3 put MB':>10}{'L3 get MB':>10}{'PD xfer MB':>11}"
-          f"{'xfer ms':>8}  handoff/direct/followed")  # fmt: skip
+          f"{'xfer ms':>8}{'lookup ms':>10}{'get ms':>8}{'put ms':>8}"
+          "  handoff/direct/followed")  # fmt: skip
     for system, workload, a in rows:
         n = max(1, a.requests)
         print(f"{system:<26}{workload:<22}{a.requests:>5}{1000 * a.queue_s / n:>10.0f}"
               f"{1000 * a.prefill_s / n:>11.0f}{1000 * a.decode_s / n:>10.0f}"
               f"{a.l3_put_mb / n:>10.1f}{a.l3_get_mb / n:>10.1f}{a.transfer_mb / n:>11.1f}"
-              f"{1000 * a.transfer_s / n:>8.0f}  {a.handoffs}/{a.direct}/{a.followed}")  # fmt: skip
+              f"{1000 * a.transfer_s / n:>8.0f}{1000 * a.store_lookup_s / n:>10.0f}"
+              f"{1000 * a.store_get_s / n:>8.0f}{1000 * a.store_put_s / n:>8.0f}"
+              f"  {a.handoffs}/{a.direct}/{a.followed}")  # fmt: skip

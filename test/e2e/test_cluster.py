@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from banaserve.utils.processes import ManagedProcess, free_port, tail
 from support.cluster import (
@@ -193,6 +194,19 @@ def test_cluster_and_metrics_report_every_instance(cluster: Cluster) -> None:
     for name in names:
         assert f'banaserve_instance_healthy{{instance="{name}"' in metrics
     assert "banaserve_gateway_handoffs_total" in metrics
+    # The handoffs of the tests before: prefill instances wrote pages to the store and the
+    # decode instance read them, and each instance's /metrics says how long that took.
+    moved: dict[tuple[str, str, str], float] = {}
+    for instance in state["instances"]:
+        text = requests.get(f"{instance['url']}/metrics", timeout=30).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("banaserve:kv_store_"):
+                    key = (instance["role"], sample.name, sample.labels["op"])
+                    moved[key] = moved.get(key, 0.0) + sample.value
+    assert moved.get(("prefill", "banaserve:kv_store_bytes_total", "put"), 0) > 0, moved
+    assert moved.get(("decode", "banaserve:kv_store_bytes_total", "get"), 0) > 0, moved
+    assert moved.get(("decode", "banaserve:kv_store_seconds_total", "lookup"), 0) > 0, moved
 
 
 def settled_store_pages(cluster: Cluster, quiet_s: float = 1.5, timeout: float = 60) -> int:

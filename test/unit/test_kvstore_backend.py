@@ -1,6 +1,6 @@
 """The HiCache backend over a real store server (in process, real sockets): a page one
 instance's host pool stores is a hit, byte for byte, in another instance's host pool of the
-same model, and invisible to another tenant."""
+same model, and invisible to another tenant; the bytes moved are counted for ``/metrics``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from banaserve.server.store_options import KvStoreOptions
+from banaserve.sglang_ext.store_metrics import BYTES, SECONDS, store_metrics
 from support.kvstore_claims import in_process_server
 from support.kvstore_server import TOKEN, InProcessServer
 
@@ -64,9 +65,16 @@ def test_a_page_stored_by_one_instance_is_a_hit_on_another(server: InProcessServ
         for store, pool in zip((a, b, other), pools, strict=True):
             store.register_mem_pool_host(pool)
         pools[0].segments[1:3] = np.random.default_rng(0).random((2, 2 * LAYERS, 16))
+        metrics = store_metrics()
+        before = {op: metrics.value(BYTES, op) for op in ("get", "put")}
+        lookup_s = metrics.value(SECONDS, "lookup")
         assert a.batch_set_v1(["h0", "h1"], slots(1, 2)) == [True, True]
         assert b.batch_exists(["h0", "h1", "h2"]) == 2
-        assert b.batch_get_v1(["h0", "h1"], slots(3, 0)) == [True, True]
+        assert b.batch_get_v1(["h0", "h1", "h2"], slots(3, 0, 2)) == [True, True, False]
+        page_bytes = pools[0].segments[0].nbytes
+        for op in ("get", "put"):  # the two pages found and stored; not the missing third
+            assert metrics.value(BYTES, op) - before[op] == 2 * page_bytes
+        assert metrics.value(SECONDS, "lookup") > lookup_s
         assert np.array_equal(pools[1].segments[3], pools[0].segments[1])
         assert np.array_equal(pools[1].segments[0], pools[0].segments[2])
         assert other.batch_exists(["h0", "h1"]) == 0  # another tenant's namespace

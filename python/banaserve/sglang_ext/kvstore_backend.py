@@ -148,7 +148,7 @@ class BanaServeKvStore(HiCacheStorage):
         request_id = request_context.current_request_id()
         store_keys = self.store.keys(keys)
         if self.store.ledger is None or request_id is None:
-            return self._client.longest_prefix(store_keys)
+            return self.store.stored_prefix(store_keys)
         return self.store.claiming_lookup(request_id, store_keys, self.coalesce_wait_s)
 
     def batch_get_v1(
@@ -159,7 +159,7 @@ class BanaServeKvStore(HiCacheStorage):
     ) -> list[bool]:
         if not keys:
             return []
-        return self._client.get(self.store.keys(keys), self._page_buffers(host_indices, len(keys)))
+        return self.store.get(self.store.keys(keys), self._page_buffers(host_indices, len(keys)))
 
     def batch_set_v1(
         self,
@@ -169,7 +169,7 @@ class BanaServeKvStore(HiCacheStorage):
     ) -> list[bool]:
         if not keys:
             return []
-        return self._client.put(self.store.keys(keys), self._page_buffers(host_indices, len(keys)))
+        return self.store.put(self.store.keys(keys), self._page_buffers(host_indices, len(keys)))
 
     def exists(self, key: str) -> bool:
         return self._client.exists(self.store.keys([key]))[0]

@@ -219,11 +219,10 @@ class BanaServeLinker(UnifiedCacheLinker):
         self.layer_store = layer_store
         self.lookup_wait_s = lookup_wait_s
         self.stats = new_stats()
-        self.loader = LayerLoader(kv, store.client, depth, self.stats)
+        self.loader = LayerLoader(kv, store, depth, self.stats)
         self.layer_done_counter = self.loader.counter
         self.pending_loads: dict[str, list[PoolTransfer]] = {}
-        self.offloader = Offloader(kv, store.client, store.keys, self.stats,
-                                   f"banaserve-offload-{name}")  # fmt: skip
+        self.offloader = Offloader(kv, store, self.stats, f"banaserve-offload-{name}")
 
     # -- keys ----------------------------------------------------------------------------
 

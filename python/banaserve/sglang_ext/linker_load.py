@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from banaserve.sglang_ext.linker_kv import LOG_FIRST_LOADS, DeviceKv
+
+if TYPE_CHECKING:
+    from banaserve.sglang_ext.store_attachment import StoreAttachment
 
 logger = logging.getLogger("banaserve.sglang_ext.kvstore_linker")
 
@@ -123,9 +126,11 @@ class LayerLoader:
     ``stats`` is the linker's (the ``load`` counters are written here).
     """
 
-    def __init__(self, kv: DeviceKv, client: Any, depth: int, stats: dict[str, int]) -> None:
+    def __init__(
+        self, kv: DeviceKv, store: StoreAttachment, depth: int, stats: dict[str, int]
+    ) -> None:
         self.kv = kv
-        self.client = client
+        self.store = store
         self.depth = max(1, depth)
         self.stats = stats
         self.counter = BanaServeLayerCounter(kv.num_layers)
@@ -196,8 +201,8 @@ class LayerLoader:
                     return
             slot = staging[layer % depth]
             try:
-                found = self.client.get_layers(
-                    keys, self.kv.layout, layer, layer + 1, [slot[p] for p in range(len(keys))]
+                found = self.store.get_layers(
+                    keys, layer, layer + 1, [slot[p] for p in range(len(keys))]
                 )
                 if not all(found):
                     raise RuntimeError(

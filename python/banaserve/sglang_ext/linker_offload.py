@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from queue import Empty, Queue
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
 from banaserve.sglang_ext.linker_kv import LOG_FIRST_LOADS, DeviceKv
+
+if TYPE_CHECKING:
+    from banaserve.sglang_ext.store_attachment import StoreAttachment
 
 logger = logging.getLogger("banaserve.sglang_ext.kvstore_linker")
 
@@ -33,16 +36,17 @@ class Offloader:
 
     :meth:`submit`, :meth:`drain` and the completion calls are made on SGLang's scheduler
     thread; the queue and the results queue are the only state the two threads share.
-    ``keys_of`` maps SGLang's page hashes to store keys; ``stats`` is the linker's (the
-    offload counters are written on this thread). The thread blocks on the store;
-    :meth:`drain` and :meth:`close` block until every queued offload is done.
+    ``store`` is the linker's attachment (it maps SGLang's page hashes to store keys);
+    ``stats`` is the linker's (the offload counters are written on this thread). The thread
+    blocks on the store; :meth:`drain` and :meth:`close` block until every queued offload is
+    done.
     """
 
-    def __init__(self, kv: DeviceKv, client: Any, keys_of: Callable[[Sequence[str]], list[bytes]],
-                 stats: dict[str, int], name: str) -> None:  # fmt: skip
+    def __init__(
+        self, kv: DeviceKv, store: StoreAttachment, stats: dict[str, int], name: str
+    ) -> None:
         self.kv = kv
-        self.client = client
-        self.keys_of = keys_of
+        self.store = store
         self.stats = stats
         self._offloads = 0
         self.queue: Queue[Task | None] = Queue()
@@ -94,8 +98,8 @@ class Offloader:
     def store(self, kv: PoolTransfer, captured: Sequence[torch.Tensor | None] = ()) -> bool:
         """PUT the pages of ``kv`` the store lacks: ``captured[p]`` where the forward's
         layer-wise copy holds page p, else gathered from the device rows."""
-        keys = self.keys_of(kv.keys)
-        present = self.client.exists(keys)
+        keys = self.store.keys(kv.keys)
+        present = self.store.client.exists(keys)
         todo = [p for p, ok in enumerate(present) if not ok]
         if not todo:
             return True
@@ -106,7 +110,7 @@ class Offloader:
             host = self.gather(kv.device_indices.reshape(-1, self.kv.page_size)[gather].reshape(-1))
             for i, p in enumerate(gather):
                 buffers[p] = host[i]
-        stored = self.client.put([keys[p] for p in todo], [buffers[p] for p in todo])
+        stored = self.store.put([keys[p] for p in todo], [buffers[p] for p in todo])
         self.stats["offloaded_pages"] += sum(stored)
         self.stats["offloaded_from_capture"] += from_capture
         self._offloads += 1

@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from banaserve.kvstore import TOKEN_ENV
 from banaserve.kvstore.keys import KvLayout, Namespace, namespaced_key
 from banaserve.sglang_ext import abort_release
+from banaserve.sglang_ext.store_metrics import StoreMetrics, store_metrics
 
 if TYPE_CHECKING:
     from banaserve.kvstore.client import KvStoreClient
@@ -78,9 +79,11 @@ class StoreAttachment:
     ``owner``, or with ``per_request_owner`` by ``owner/<request id>``: the HiCache backend
     looks up on a prefetch thread, where a request may wait for another request's pages of the
     same instance; the linker looks up on the scheduler thread, which must never wait for pages
-    only its own next batch computes, so it claims as the instance. Thread-safe as the client
-    and the ledger are; :meth:`claiming_lookup` blocks for a store round trip and up to its
-    ``wait_s``.
+    only its own next batch computes, so it claims as the instance. Every store call made
+    through it is counted in :mod:`~banaserve.sglang_ext.store_metrics`. Thread-safe as the
+    client and the ledger are; every call blocks for a store round trip, and
+    :meth:`claiming_lookup` up to its ``wait_s`` more. Buffers are the caller's, used only
+    during the call.
     """
 
     client: KvStoreClient
@@ -91,6 +94,7 @@ class StoreAttachment:
     claims: bool = True
     namespace: bytes = field(init=False)
     ledger: abort_release.ClaimLedger | None = field(init=False, default=None)
+    metrics: StoreMetrics = field(init=False, default_factory=store_metrics)
 
     def __post_init__(self) -> None:
         rank = self.rank
@@ -114,14 +118,52 @@ class StoreAttachment:
         or released if it is aborted first. Needs ``claims``."""
         if self.ledger is None:
             raise RuntimeError("this store attachment was opened without claims")
-        hit = self.client.lookup(
-            keys, owner=self.owner_of(request_id), wait_s=wait_s, lease_s=CLAIM_LEASE_S
-        )
+        with self.metrics.timed("lookup"):
+            hit = self.client.lookup(
+                keys, owner=self.owner_of(request_id), wait_s=wait_s, lease_s=CLAIM_LEASE_S
+            )
         self.ledger.record(request_id, keys[hit:])
         return hit
+
+    def stored_prefix(self, keys: Sequence[bytes]) -> int:
+        """Leading ``keys`` stored, claiming and waiting for nothing."""
+        with self.metrics.timed("lookup"):
+            return self.client.longest_prefix(keys)
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
+        """Read page ``keys[i]`` into ``buffers[i]`` (one buffer or a list of segments)."""
+        with self.metrics.timed("get"):
+            found = self.client.get(keys, buffers)
+        self.metrics.moved("get", _found_bytes(buffers, found))
+        return found
+
+    def get_layers(self, keys: Sequence[bytes], first: int, last: int,
+                   out: Sequence[Any]) -> list[bool]:  # fmt: skip
+        """Read layers ``[first, last)`` of page ``keys[i]`` into ``out[i]``."""
+        with self.metrics.timed("get"):
+            found = self.client.get_layers(keys, self.layout, first, last, out)
+        self.metrics.moved("get", sum(found) * (last - first) * self.layout.layer_bytes)
+        return found
+
+    def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
+        """Write page ``keys[i]`` from ``buffers[i]`` (one buffer or a list of segments)."""
+        with self.metrics.timed("put"):
+            stored = self.client.put(keys, buffers)
+        self.metrics.moved("put", _found_bytes(buffers, stored))
+        return stored
 
     def _release(self, request_id: str, keys: list[bytes]) -> None:
         self.client.release(keys, self.owner_of(request_id))
 
     def close(self) -> None:
         self.client.close()
+
+
+def _found_bytes(buffers: Sequence[Any], ok: Sequence[bool]) -> int:
+    return sum(_nbytes(b) for b, hit in zip(buffers, ok, strict=True) if hit)
+
+
+def _nbytes(buffer: Any) -> int:
+    if isinstance(buffer, list | tuple):
+        return sum(_nbytes(part) for part in buffer)
+    return int(getattr(buffer, "nbytes", None) or len(buffer))
