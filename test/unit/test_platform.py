@@ -136,3 +136,27 @@ def test_extend_attention_is_the_same_cached_or_not(dtype: torch.dtype) -> None:
         ])  # fmt: skip
         assert torch.equal(got, kept), f"rows differ when {prefixes} are cached"
         torch.testing.assert_close(got.double(), reference_extend(inputs), atol=tolerance, rtol=0)
+
+
+def test_host_pools_pin_nothing_once_built_on_the_cpu() -> None:
+    """The staging page of a storage read without zero-copy (SGLang's ``file`` L3) is
+    allocated after the pool is built, with the pool's ``pin_memory``: pinned, it needs an
+    NVIDIA driver and every L3 read failed."""
+    import types
+
+    from banaserve.platform.hicache_cpu import CPU_HOST_MEMORY_RESERVE_BYTES, patch_pool_host_base
+
+    class HostKVCache:
+        def __init__(self, pin_memory: bool) -> None:
+            self.pin_memory = pin_memory
+
+    class MHAHost(HostKVCache):
+        def get_dummy_flat_data_page(self) -> torch.Tensor:
+            return torch.zeros((2, 4), pin_memory=self.pin_memory).flatten()
+
+    module = types.SimpleNamespace(HostKVCache=HostKVCache, HICACHE_HOST_MEMORY_RESERVE_BYTES=10)
+    patch_pool_host_base(module)  # type: ignore[arg-type]
+    patch_pool_host_base(module)  # type: ignore[arg-type]  # idempotent: wrapped once
+    pool = MHAHost(pin_memory=True)
+    assert pool.pin_memory is False and pool.get_dummy_flat_data_page().numel() == 8
+    assert module.HICACHE_HOST_MEMORY_RESERVE_BYTES == CPU_HOST_MEMORY_RESERVE_BYTES

@@ -13,11 +13,16 @@ CPU platform:
   (``HICACHE_HOST_MEMORY_RESERVE_BYTES``), sized for GPU servers whose host RAM serves
   nothing else; on the CPU the device pool itself is host RAM, sized by BanaServe from what
   is free, so an instance would refuse to start on a machine with less than 10 GiB free. The
-  reserve becomes :data:`CPU_HOST_MEMORY_RESERVE_BYTES`.
+  reserve becomes :data:`CPU_HOST_MEMORY_RESERVE_BYTES`. Its ``HostKVCache`` also keeps
+  ``pin_memory`` for later allocations: the staging page a storage backend without zero-copy
+  reads into (SGLang's ``file`` backend, ``get_dummy_flat_data_page``) asks torch for pinned
+  memory, which needs a driver, so every L3 read failed and counted as a miss. On the CPU a
+  host pool's ``pin_memory`` is False once it is built.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -69,14 +74,29 @@ def patch_transfer_kv_direct(module: types.ModuleType) -> None:
         module.transfer_kv_direct = transfer_kv_direct  # type: ignore[attr-defined]
 
 
-def patch_host_memory_reserve(module: types.ModuleType) -> None:
-    """A 1 GiB reserve instead of 10 GiB: read at call time from the module's globals."""
+def patch_pool_host_base(module: types.ModuleType) -> None:
+    """A 1 GiB reserve instead of 10 GiB (read at call time from the module's globals), and
+    host pools that pin nothing after their construction."""
     if hasattr(module, "HICACHE_HOST_MEMORY_RESERVE_BYTES"):
         module.HICACHE_HOST_MEMORY_RESERVE_BYTES = CPU_HOST_MEMORY_RESERVE_BYTES
+    host_cache = getattr(module, "HostKVCache", None)
+    if host_cache is not None and not getattr(host_cache.__init__, "_banaserve_unpinned", False):
+        host_cache.__init__ = _unpinned_after(host_cache.__init__)
+
+
+def _unpinned_after(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        # Subclasses allocate after this returns: on the CPU nothing can be pinned.
+        self.pin_memory = False
+
+    __init__._banaserve_unpinned = True  # type: ignore[attr-defined]
+    return __init__
 
 
 POST_IMPORT_PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
-    "sglang.srt.mem_cache.pool_host.base": patch_host_memory_reserve,
+    "sglang.srt.mem_cache.pool_host.base": patch_pool_host_base,
     "sglang.srt.mem_cache.pool_host.common": patch_pool_host_common,
     "sglang.srt.mem_cache.pool_host.mha": patch_transfer_kv_direct,
     "sglang.srt.mem_cache.memory_pool_host": patch_transfer_kv_direct,
