@@ -45,6 +45,7 @@ from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
 from banaserve.cluster.http_errors import error_response, unavailable
 from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
 from banaserve.cluster.load_board import LoadBoard
+from banaserve.cluster.migration_loop import RoleMigration
 from banaserve.cluster.poison import PoisonGuard
 from banaserve.cluster.prometheus import render_metrics
 from banaserve.cluster.relay_bodies import computed_prompt_tokens, prefill_body
@@ -113,6 +114,7 @@ class Gateway:
         deaths: InstanceDeaths | None = None,
         guard: PoisonGuard | None = None,
         clear_store: ClearStore | None = None,
+        migration: RoleMigration | None = None,
     ) -> None:
         self.board = board
         placer = placer if placer is not None else Placer()
@@ -124,6 +126,7 @@ class Gateway:
         self.counters = GatewayCounters()
         self.failover = Failover(board, self.counters, deaths, guard)
         self.session: aiohttp.ClientSession | None = None
+        self.migration = migration  # None: --migration off
 
     # -- app ---------------------------------------------------------------------------------
 
@@ -141,6 +144,8 @@ class Gateway:
         app.router.add_post("/flush_cache", self.handle_flush_cache)
         app.router.add_get("/flush_cache", self.handle_flush_cache)
         app.router.add_post("/clear_caches", self.handle_clear_caches)
+        app.router.add_get("/migration", self.handle_migration)
+        app.router.add_post("/migration", self.handle_migration)
         app.on_startup.append(self._open_session)
         app.on_cleanup.append(self._close_session)
         return app
@@ -411,7 +416,8 @@ class Gateway:
             load = self.board.loads[spec.url]
             stats = self.board.stats[spec.url]
             instances.append({
-                "name": spec.name, "role": spec.role, "url": spec.url,
+                "name": spec.name, "role": str(self.board.role_of(spec.url)),
+                "home_role": spec.role, "url": spec.url,
                 "cores": list(spec.cores), "load": load.to_json(),
                 "routed": stats.routed, "failed": stats.failed,
                 "inflight": self.board.inflight_requests(spec.url),
@@ -429,6 +435,7 @@ class Gateway:
                 "uptime_s": round(time.time() - counters.started_at, 1),
             },
             "supervisor": self.failover.deaths.report() if self.failover.deaths else {},
+            "migration": self.migration.state() if self.migration else {"mode": "off"},
             "instances": instances,
         }
 
@@ -437,6 +444,16 @@ class Gateway:
         if self.extra_info is not None:
             state.update(await self.extra_info())
         return web.json_response(state)
+
+    async def handle_migration(self, request: web.Request) -> web.Response:
+        """``--migration``'s state and admin calls: see :mod:`banaserve.cluster.migration_loop`."""
+        if self.migration is not None:
+            handler = self.migration.handle_post if request.method == "POST" else None
+            return await (handler or self.migration.handle_get)(request)
+        if request.method == "POST":
+            message = "migration is off: start the cluster with --migration role"
+            return web.json_response({"message": message}, status=409)
+        return web.json_response({"mode": "off"})
 
     async def handle_metrics(self, _: web.Request) -> web.Response:
         return web.Response(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from banaserve.cluster.migration_loop import migration_metrics
+
 #: (metric, help, key in the load record)
 INSTANCE_GAUGES = (
     ("banaserve_instance_healthy", "1 if the instance is in routing", "healthy"),
@@ -63,4 +65,6 @@ def render_metrics(state: dict[str, Any]) -> str:
         metric = f"banaserve_gateway_{key}_total"
         lines += [f"# HELP {metric} Gateway {key.replace('_', ' ')}.",
                   f"# TYPE {metric} counter", f"{metric} {value}"]  # fmt: skip
+    if state.get("migration", {}).get("mode", "off") != "off":
+        lines += migration_metrics(state["migration"])
     return "\n".join(lines) + "\n"

@@ -229,6 +229,11 @@ async def serve_gateway(
         return {"store": stats, "log_dir": str(processes.log_dir), "pids": pids}
 
     placer_class = Placer if store_client is not None else NoStorePlacer
+    migration = None
+    if options.migration == "role":
+        from banaserve.cluster.migration_loop import RoleMigration
+
+        migration = RoleMigration.for_board(board)
     gateway = Gateway(
         board,
         make_policy(options.router_policy, PREFILL),
@@ -238,6 +243,7 @@ async def serve_gateway(
         extra_info,
         supervisor,
         clear_store=store_client.clear if store_client is not None else None,
+        migration=migration,
     )
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()
@@ -253,11 +259,13 @@ async def serve_gateway(
             asyncio.create_task(poll_forever(board, gateway.session)),
             asyncio.create_task(supervisor.run()),
         ]
+        if migration is not None:
+            tasks.append(asyncio.create_task(migration.run_forever()))
         prefill = sum(s.role == PREFILL for s in specs)
         logger.info(
             "BanaServe cluster serving on http://%s:%d: %d prefill + %d decode, router %s, "
-            "store %s", host, port, prefill, len(specs) - prefill, options.router_policy,
-            ",".join(urls) or "none (no handoff)",
+            "store %s, migration %s", host, port, prefill, len(specs) - prefill,
+            options.router_policy, ",".join(urls) or "none (no handoff)", options.migration,
         )  # fmt: skip
         await stop.wait()
         logger.info("stopping the cluster")

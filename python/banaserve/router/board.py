@@ -7,6 +7,10 @@ reads it (metrics lag behind a burst by up to one poll; see
 :func:`banaserve.router.load.with_inflight`). An instance whose process exited is out of
 routing until :meth:`Board.revive`; one whose polls failed :data:`FAILURES_BEFORE_DOWN` times
 in a row leaves routing until a later good poll.
+
+An instance's role starts as its spec's and is a routing label: :meth:`Board.set_role` moves a
+whole instance to the other role (the migration controller's coarsest move); its requests in
+flight finish where they are.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from banaserve.router.base import Role
 from banaserve.router.load import InstanceLoad, with_inflight
 from banaserve.router.metrics_parse import load_from_metrics
 
@@ -72,16 +77,27 @@ class Board:
         self._inflight: dict[str, _Inflight] = defaultdict(_Inflight)
         self._failures: dict[str, int] = defaultdict(int)
         self._dead: set[str] = set()
+        self._roles: dict[str, Role] = {spec.url: Role(spec.role) for spec in specs}
         now = clock()
         self.loads: dict[str, InstanceLoad] = {
             spec.url: InstanceLoad(url=spec.url, role=spec.role, updated_at=now) for spec in specs
         }
 
+    def role_of(self, url: str) -> Role:
+        """The role ``url`` serves in now."""
+        return self._roles[url]
+
+    def set_role(self, url: str, role: Role) -> Role:
+        """Route ``url`` as a ``role`` instance from now on; its previous role."""
+        previous, self._roles[url] = self._roles[url], Role(role)
+        self.loads[url] = replace(self.loads[url], role=str(role))
+        return previous
+
     def candidates(self, role: str) -> list[InstanceLoad]:
         """Every instance of ``role``, healthy or not, with the router's in-flight work."""
         out = []
         for spec in self.specs:
-            if spec.role != role:
+            if self._roles[spec.url] != role:
                 continue
             inflight = self._inflight[spec.url]
             out.append(
@@ -150,7 +166,7 @@ class Board:
             logger.info("%s is back in routing", spec.name)
             self._returned(url)
         self._failures[url] = 0
-        self.loads[url] = load_from_metrics(url, spec.role, text, self.clock())
+        self.loads[url] = load_from_metrics(url, str(self._roles[url]), text, self.clock())
 
     def _set_unhealthy(self, url: str) -> None:
         self.loads[url] = replace(self.loads[url], healthy=False)

@@ -30,6 +30,8 @@ CPU_DEFAULT_DTYPE = "float32"
 #: Kept in step with banaserve.router.policies.POLICY_NAMES (a test checks): importing the
 #: router here would slow every instance's start-up for a list of names.
 ROUTER_POLICIES = ("load_aware", "cache_aware", "round_robin")
+#: Kept in step with banaserve.migration.MIGRATION_MODES (a test checks), for the same reason.
+MIGRATION_MODES = ("off", "role")
 #: BanaServe flags that take a value / take none; used to rewrite an argv for instances.
 CLUSTER_VALUE_FLAGS = (
     "--num-prefill",
@@ -39,6 +41,7 @@ CLUSTER_VALUE_FLAGS = (
     "--in-place-max-new-tokens",
     "--cluster-log-dir",
     "--max-restarts-per-minute",
+    "--migration",
 )
 CLUSTER_SWITCHES = ("--cpu-affinity",)
 
@@ -68,6 +71,7 @@ class ClusterOptions:
     in_place_max_new_tokens: int
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    migration: str = "off"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
@@ -88,7 +92,7 @@ class ClusterOptions:
             prefill, decode, args.router_policy, args.cpu_affinity,
             args.handoff_min_tokens, args.cluster_log_dir, args.in_place_max_new_tokens,
             request_limits_from_args(args),
-            RestartPolicy(max_per_minute=args.max_restarts_per_minute),
+            RestartPolicy(max_per_minute=args.max_restarts_per_minute), args.migration,
         )  # fmt: skip
 
 
@@ -198,6 +202,15 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         default=RestartPolicy().max_per_minute,
         help="Restarts of one dead instance (or store) in any minute, at most; they back off "
         f"exponentially before that (default: {RestartPolicy().max_per_minute}).",
+    )
+    cluster.add_argument(
+        "--migration",
+        choices=MIGRATION_MODES,
+        default="off",
+        help="Move work between prefill and decode as the load turns: 'role' lets the gateway "
+        "change an instance's role (a prefill instance on a core of its own decodes when "
+        "long outputs pile up on the decode side, and goes back when prompts pile up), "
+        "watched in GET /migration and steered with POST /migration (default: off).",
     )
     cluster.add_argument(
         "--cluster-log-dir",

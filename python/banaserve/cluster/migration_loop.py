@@ -1,0 +1,190 @@
+"""``--migration role`` in the gateway: the role controller runs every :data:`TICK_S` over the
+board's records and its moves relabel instances on the board; ``GET /migration`` reports the
+state and history, ``POST /migration`` is the admin's (turn the controller off or on, move an
+instance by hand).
+
+``POST /migration`` takes a JSON object with either or both of:
+
+- ``"controller": "on" | "off"``: whether the controller moves instances;
+- ``"instance": NAME, "role": "prefill" | "decode"``: move that instance now (it then dwells in
+  that role like a controller move). Refused with 409 when it would leave a role without a
+  healthy instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from banaserve.migration.role_controller import ROLES, RoleController, RoleMove
+from banaserve.router.base import Role
+from banaserve.router.board import Board, Member
+
+logger = logging.getLogger("banaserve.cluster")
+
+#: Seconds between two controller steps.
+TICK_S = 1.0
+#: Moves kept for ``GET /migration``.
+HISTORY = 200
+
+
+class MigrationRefused(Exception):
+    """An admin move that cannot be made; ``status`` is its HTTP status."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RoleMigration:
+    """The controller's loop and the admin API of one cluster.
+
+    Owns the controller and the history; the board is the gateway's. Confined to the gateway's
+    event loop (as the board is): nothing is locked, and nothing blocks but the sleep between
+    ticks.
+    """
+
+    def __init__(
+        self, board: Board, controller: RoleController, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.board = board
+        self.controller = controller
+        self.clock = clock
+        self.enabled = True
+        self.history: deque[RoleMove] = deque(maxlen=HISTORY)
+        self.moves = 0
+        self._by_name: dict[str, Member] = {spec.name: spec for spec in board.specs}
+
+    @classmethod
+    def for_board(cls, board: Board) -> RoleMigration:
+        """The default controller over ``board``'s instances, knowing their cores (specs with
+        ``cores``) and the roles they were started in."""
+        cores = {s.url: tuple(s.cores) for s in board.specs if getattr(s, "cores", ())}
+        home = {spec.url: Role(spec.role) for spec in board.specs}
+        return cls(board, RoleController(cores=cores, home=home))
+
+    def records(self) -> list[Any]:
+        return [load for role in ROLES for load in self.board.candidates(role)]
+
+    def tick(self) -> list[RoleMove]:
+        """One controller step, its moves applied (none while the controller is off)."""
+        if not self.enabled:
+            return []
+        moves = self.controller.step(self.records(), self.clock())
+        for move in moves:
+            self._apply(move)
+        return moves
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.tick()
+            except Exception:  # a controller bug must not stop serving
+                logger.exception("migration controller step failed")
+
+    def move(self, name: str, role: str) -> RoleMove:
+        """Move instance ``name`` to ``role`` now, by hand."""
+        spec = self._by_name.get(name)
+        if spec is None:
+            known = sorted(self._by_name)
+            raise MigrationRefused(f"no instance named {name!r}; instances: {known}")
+        try:
+            target = Role(role)
+        except ValueError:
+            raise MigrationRefused(f"'role' must be 'prefill' or 'decode', got {role!r}") from None
+        if target not in ROLES:
+            raise MigrationRefused(f"'role' must be 'prefill' or 'decode', got {role!r}")
+        source = self.board.role_of(spec.url)
+        if source == target:
+            raise MigrationRefused(f"{name} already serves as {target}", status=409)
+        if not any(c.url != spec.url for c in self.board.healthy(source)):
+            raise MigrationRefused(f"moving {name} would leave no healthy {source} instance", 409)
+        now, members = self.clock(), self._members()
+        before = max(self.controller.utilisation(members).values())
+        members[source] = [url for url in members[source] if url != spec.url]
+        members[target].append(spec.url)
+        after = max(self.controller.utilisation(members).values())
+        move = RoleMove(spec.url, source, target, now, before, after, reason="admin")
+        self.controller.moved(spec.url, now)
+        self._apply(move)
+        return move
+
+    def _members(self) -> dict[Role, list[str]]:
+        return {role: [c.url for c in self.board.healthy(role)] for role in ROLES}
+
+    def _apply(self, move: RoleMove) -> None:
+        self.board.set_role(move.url, move.to_role)
+        self.history.append(move)
+        self.moves += 1
+        name = next((s.name for s in self.board.specs if s.url == move.url), move.url)
+        logger.info(
+            "migration: %s now serves as %s (%s; peak utilisation %.2f -> %.2f)",
+            name, move.to_role, move.reason, move.peak_before, move.peak_after,
+        )  # fmt: skip
+
+    def state(self) -> dict[str, Any]:
+        names = {spec.url: spec.name for spec in self.board.specs}
+        utilisation = self.controller.utilisation(self._members())
+        return {
+            "mode": "role",
+            "controller": "on" if self.enabled else "off",
+            "moves": self.moves,
+            "bytes_moved": sum(m.bytes_moved for m in self.history),
+            "utilisation": {str(r): round(u, 3) for r, u in utilisation.items()},
+            "roles": {
+                spec.name: {"home": spec.role, "role": str(self.board.role_of(spec.url))}
+                for spec in self.board.specs
+            },
+            "history": [{"instance": names.get(m.url, m.url), **m.to_json()} for m in self.history],
+        }
+
+    async def handle_get(self, _: web.Request) -> web.Response:
+        return web.json_response(self.state())
+
+    async def handle_post(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read() or b"{}")
+            if not isinstance(body, dict) or not body:
+                raise MigrationRefused(
+                    "expected a JSON object with 'controller' and/or 'instance' and 'role'"
+                )
+            unknown = set(body) - {"controller", "instance", "role"}
+            if unknown:
+                raise MigrationRefused(f"unknown field(s) {sorted(unknown)}")
+            controller = body.get("controller")
+            if controller not in (None, "on", "off"):
+                raise MigrationRefused(f"'controller' must be 'on' or 'off', got {controller!r}")
+            if ("instance" in body) != ("role" in body):
+                raise MigrationRefused("'instance' and 'role' go together")
+            if "instance" in body:
+                self.move(str(body["instance"]), str(body["role"]))
+            if controller is not None:
+                self.enabled = controller == "on"
+        except json.JSONDecodeError as exc:
+            return web.json_response({"message": f"invalid JSON: {exc}"}, status=400)
+        except MigrationRefused as exc:
+            return web.json_response({"message": str(exc)}, status=exc.status)
+        return web.json_response(self.state())
+
+
+def migration_metrics(state: dict[str, Any]) -> list[str]:
+    """Prometheus lines of :meth:`RoleMigration.state`."""
+    lines = ["# HELP banaserve_migration_moves_total Instances moved between roles.",
+             "# TYPE banaserve_migration_moves_total counter",
+             f"banaserve_migration_moves_total {state['moves']}",
+             "# HELP banaserve_migration_bytes_moved_total Bytes copied by migration moves.",
+             "# TYPE banaserve_migration_bytes_moved_total counter",
+             f"banaserve_migration_bytes_moved_total {state['bytes_moved']}",
+             "# HELP banaserve_migration_utilisation Smoothed utilisation of each role.",
+             "# TYPE banaserve_migration_utilisation gauge"]  # fmt: skip
+    for role, value in state["utilisation"].items():
+        lines.append(f'banaserve_migration_utilisation{{role="{role}"}} {float(value):g}')
+    return lines

@@ -1,0 +1,200 @@
+"""``--migration role``: the role controller's decisions over load records on an injected
+clock (the gateway runs the same code), the board relabelling instances, and the gateway's
+loop and admin API over them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from banaserve.cluster.migration_loop import RoleMigration
+from banaserve.migration import MIGRATION_MODES
+from banaserve.migration.role_controller import RoleController, RoleControllerConfig
+from banaserve.router import Board, Placer, RequestShape, Role, Router, make_policy
+from banaserve.router.load import InstanceLoad
+from banaserve.server.cli import MIGRATION_MODES as CLI_MODES
+
+P0, P1, D0 = "http://p0", "http://p1", "http://d0"
+#: BanaServe's 2P+1D layout on two cores: prefill-0 and decode-0 share core 0.
+CORES = {P0: (0,), P1: (1,), D0: (0,)}
+HOME = {P0: Role.PREFILL, P1: Role.PREFILL, D0: Role.DECODE}
+
+
+def loads(roles: dict[str, Role], batch: dict[str, int]) -> list[InstanceLoad]:
+    return [InstanceLoad(url, str(role), running_reqs=batch.get(url, 0))
+            for url, role in roles.items()]  # fmt: skip
+
+
+def controller(**config: float) -> RoleController:
+    return RoleController(RoleControllerConfig(**config), cores=CORES, home=HOME)
+
+
+def run(ctl: RoleController, roles: dict[str, Role], batch: dict[str, int], start: float,
+        seconds: int) -> list:  # fmt: skip
+    """One step a second; moves applied to ``roles``."""
+    moves = []
+    for t in range(seconds):
+        for move in ctl.step(loads(roles, batch), start + t):
+            roles[move.url] = move.to_role
+            moves.append(move)
+    return moves
+
+
+def test_long_decodes_move_the_prefill_instance_on_its_own_core() -> None:
+    roles = dict(HOME)
+    moves = run(controller(), roles, {D0: 6}, 0.0, 5)
+    assert [(m.url, m.from_role, m.to_role) for m in moves] == [(P1, Role.PREFILL, Role.DECODE)]
+    assert moves[0].peak_after < moves[0].peak_before and moves[0].bytes_moved == 0
+    # Not prefill-0: it shares decode-0's core, so as a decode instance it would add nothing.
+    assert roles[P0] == Role.PREFILL
+
+
+def test_an_idle_or_balanced_cluster_stays_as_started() -> None:
+    assert run(controller(), dict(HOME), {}, 0.0, 30) == []
+    assert run(controller(), dict(HOME), {P0: 1, D0: 2}, 0.0, 30) == []
+
+
+def test_no_flapping_and_the_instance_goes_home_when_prompts_pile_up() -> None:
+    ctl, roles = controller(dwell_s=10.0), dict(HOME)
+    assert len(run(ctl, roles, {D0: 6}, 0.0, 3)) == 1  # prefill-1 decodes now
+    batch = {D0: 3, P1: 3, P0: 1}  # one prefill step on prefill-0: its role is busy now
+    assert run(ctl, roles, batch, 3.0, 30) == []  # moving either back would not cut the peak
+    piled = {P0: 5, D0: 1, P1: 0}  # prompts pile up on the one prefill instance
+    moves = run(ctl, roles, piled, 33.0, 5)
+    assert [(m.url, m.to_role) for m in moves] == [(P1, Role.PREFILL)]  # home, the idle one
+
+
+def test_a_moved_instance_dwells_before_it_moves_again() -> None:
+    ctl, roles = controller(dwell_s=20.0, cooldown_s=0.0), dict(HOME)
+    assert len(run(ctl, roles, {D0: 6}, 0.0, 2)) == 1
+    assert run(ctl, roles, {P0: 5}, 2.0, 15) == []  # would go back, but dwells until t=20
+    assert [m.url for m in run(ctl, roles, {P0: 5}, 17.0, 6)] == [P1]
+
+
+def test_each_role_keeps_an_instance() -> None:
+    roles = {P0: Role.PREFILL, D0: Role.DECODE}
+    ctl = RoleController(home=dict(roles))  # no cores given: an instance counts as one core
+    assert run(ctl, roles, {D0: 20}, 0.0, 10) == []
+    assert run(ctl, roles, {P0: 20}, 10.0, 10) == []
+
+
+def test_an_unhealthy_instance_is_neither_moved_nor_counted() -> None:
+    records = loads(dict(HOME), {D0: 6})
+    records[1] = InstanceLoad(P1, "prefill", healthy=False)
+    assert controller().step(records, 0.0) == []  # prefill-0 is the only healthy prefill
+
+
+def test_bad_config_is_refused() -> None:
+    for bad in ({"smoothing": 0}, {"min_gain": 1}, {"decode_full_reqs": 0}, {"min_per_role": 0},
+                {"dwell_s": -1}):  # fmt: skip
+        with pytest.raises(ValueError):
+            RoleControllerConfig(**bad)
+
+
+def test_the_command_line_and_the_package_agree_on_the_modes() -> None:
+    assert CLI_MODES == MIGRATION_MODES
+
+
+# -- the board and the gateway's loop ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    role: str
+    url: str
+    cores: tuple[int, ...] = ()
+
+
+SPECS = [Spec("prefill-0", "prefill", P0, (0,)), Spec("prefill-1", "prefill", P1, (1,)),
+         Spec("decode-0", "decode", D0, (0,))]  # fmt: skip
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_relabelled_instance_is_routed_in_its_new_role() -> None:
+    board = Board(SPECS, clock=Clock())
+    router = Router(board, make_policy("load_aware", "prefill"),
+                    make_policy("load_aware", "decode"), Placer())  # fmt: skip
+    shape = RequestShape("/generate", "a long answer", 4, False, 128)
+    busy = router.pick(Role.DECODE, shape)
+    assert busy.url == D0
+    assert board.set_role(P1, Role.DECODE) == Role.PREFILL
+    assert router.pick(Role.DECODE, shape).url == P1  # decode-0 is busy with the first
+    assert [c.url for c in board.candidates(Role.PREFILL)] == [P0]
+    board.record_poll(SPECS[1], 'sglang:num_running_reqs{tp_rank="0"} 1\n')
+    assert board.loads[P1].role == "decode"  # a poll keeps the current role
+
+
+class Request:
+    """The part of aiohttp's request the admin handler reads."""
+
+    def __init__(self, body: object) -> None:
+        self.body = body if isinstance(body, bytes) else json.dumps(body).encode()
+
+    async def read(self) -> bytes:
+        return self.body
+
+
+def post(migration: RoleMigration, body: object) -> tuple[int, dict]:
+    response = asyncio.run(migration.handle_post(Request(body)))  # type: ignore[arg-type]
+    return response.status, json.loads(response.body)
+
+
+def test_the_loop_applies_the_controllers_moves_to_the_board() -> None:
+    clock = Clock()
+    board = Board(SPECS, clock=clock)
+    migration = RoleMigration.for_board(board)
+    migration.clock = clock
+    for _ in range(6):
+        board.begin(D0, 0)  # six long decodes in flight on decode-0
+    moves = []
+    for _ in range(3):
+        moves += migration.tick()
+        clock.now += 1.0
+    assert [m.url for m in moves] == [P1] and board.role_of(P1) == Role.DECODE
+    state = migration.state()
+    assert state["moves"] == 1 and state["roles"]["prefill-1"] == {
+        "home": "prefill",
+        "role": "decode",
+    }
+    assert state["history"][0]["instance"] == "prefill-1"
+
+
+def test_the_admin_api_moves_by_hand_and_refuses_clearly() -> None:
+    clock = Clock()
+    board = Board(SPECS, clock=clock)
+    migration = RoleMigration.for_board(board)
+    migration.clock = clock
+    status, state = post(migration, {"controller": "off"})
+    assert status == 200 and state["controller"] == "off"
+    for _ in range(6):
+        board.begin(D0, 0)
+    assert migration.tick() == []  # the controller is off
+    status, state = post(migration, {"instance": "prefill-1", "role": "decode"})
+    assert status == 200 and board.role_of(P1) == Role.DECODE
+    assert state["history"][-1]["reason"] == "admin"
+    refusals = {
+        "prefill-1 already serves as decode": {"instance": "prefill-1", "role": "decode"},
+        "would leave no healthy prefill": {"instance": "prefill-0", "role": "decode"},
+        "no instance named 'nope'": {"instance": "nope", "role": "decode"},
+        "'role' must be 'prefill' or 'decode'": {"instance": "prefill-0", "role": "mixed"},
+        "go together": {"instance": "prefill-0"},
+        "'controller' must be 'on' or 'off'": {"controller": True},
+        "unknown field": {"k": 3},
+        "expected a JSON object": [1],
+        "invalid JSON": b"{nope",
+    }
+    for message, body in refusals.items():
+        status, answer = post(migration, body)
+        assert status in (400, 409) and message in answer["message"], (body, answer)
+    assert board.role_of(P0) == Role.PREFILL and migration.moves == 1  # nothing changed
