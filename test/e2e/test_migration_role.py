@@ -1,0 +1,89 @@
+"""``--migration role`` on a real 2P+1D cluster: instances moved between roles by the admin
+API serve in their new roles, greedy outputs stay those of one plain instance (streaming too),
+and every move shows in ``/migration``, ``/cluster`` and ``/metrics``.
+
+The controller is turned off first, so what runs where follows from the moves alone; its
+decisions are unit-tested (``unit/test_role_migration.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from support.cluster import Cluster, generate, long_prompt, running_cluster
+from support.servers import Server
+
+#: More than --in-place-max-new-tokens (16): served on a decode-role instance only.
+LONG_OUT = {"temperature": 0.0, "max_new_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("migration-role")
+    with running_cluster(tiny_model, logs, "--migration", "role") as running:
+        yield running
+
+
+def migrate(cluster: Cluster, body: dict) -> requests.Response:
+    return requests.post(f"{cluster.url}/migration", json=body, timeout=30)
+
+
+def routed(cluster: Cluster) -> dict[str, int]:
+    return {i["name"]: i["routed"] for i in cluster.state()["instances"]}
+
+
+def streamed(url: str, text: str) -> str:
+    body = {"text": text, "sampling_params": LONG_OUT, "stream": True}
+    out = ""
+    with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as answer:
+        assert answer.status_code == 200, answer.text
+        for line in answer.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                out = json.loads(line[5:])["text"]
+    return out
+
+
+def test_moved_instances_serve_in_their_new_roles(cluster: Cluster, server: Server) -> None:
+    answer = migrate(cluster, {"controller": "off"})
+    assert answer.status_code == 200 and answer.json()["controller"] == "off"
+    # decode-0 cannot leave first: no decode instance would be left.
+    refused = migrate(cluster, {"instance": "decode-0", "role": "prefill"})
+    assert refused.status_code == 409 and "no healthy decode" in refused.json()["message"]
+    assert migrate(cluster, {"instance": "prefill-1", "role": "decode"}).status_code == 200
+    assert migrate(cluster, {"instance": "decode-0", "role": "prefill"}).status_code == 200
+    roles = {i["name"]: (i["home_role"], i["role"]) for i in cluster.state()["instances"]}
+    assert roles == {"prefill-0": ("prefill", "prefill"), "prefill-1": ("prefill", "decode"),
+                     "decode-0": ("decode", "prefill")}  # fmt: skip
+
+    prompts = ["The quick brown fox", "A quiet river", long_prompt(seed=505)]
+    before = routed(cluster)
+    for prompt in prompts:
+        expected = generate(server.url, prompt, sampling_params=LONG_OUT)
+        got = generate(cluster.url, prompt, sampling_params=LONG_OUT)
+        assert got["output_ids"] == expected["output_ids"], prompt[:40]
+        assert streamed(cluster.url, prompt) == expected["text"]
+    after = routed(cluster)
+    # Every serve step ran on prefill-1, the one decode-role instance (two per prompt); the
+    # long prompt's first request was handed off, its prefill step on a prefill-role instance
+    # (the second found the prompt cached and went straight to prefill-1).
+    assert after["prefill-1"] - before["prefill-1"] == 2 * len(prompts)
+    prefill_steps = sum(after[n] - before[n] for n in ("prefill-0", "decode-0"))
+    assert prefill_steps == 1
+
+
+def test_every_move_is_reported(cluster: Cluster) -> None:
+    state = requests.get(f"{cluster.url}/migration", timeout=30).json()
+    assert state["mode"] == "role" and state["controller"] == "off" and state["moves"] == 2
+    assert [(m["instance"], m["from"], m["to"], m["reason"]) for m in state["history"]] == [
+        ("prefill-1", "prefill", "decode", "admin"),
+        ("decode-0", "decode", "prefill", "admin"),
+    ]
+    assert state["bytes_moved"] == 0 and cluster.state()["migration"]["moves"] == 2
+    metrics = requests.get(f"{cluster.url}/metrics", timeout=30).text
+    assert "banaserve_migration_moves_total 2" in metrics
+    assert 'banaserve_instance_healthy{instance="prefill-1",role="decode"} 1' in metrics
