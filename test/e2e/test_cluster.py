@@ -34,6 +34,7 @@ from support.cluster import (
     generate,
     long_prompt,
     running_cluster,
+    streamed_generate,
 )
 from support.servers import TEST_KV_TOKENS, Server
 
@@ -66,17 +67,6 @@ def test_sigterm_during_start_up_stops_everything(tiny_model: Path, tmp_path: Pa
         assert not alive, [c.cmdline() for c in alive]
     finally:
         process.stop()
-
-
-def streamed_generate(url: str, text: str) -> str:
-    body = {"text": text, "sampling_params": GREEDY, "stream": True}
-    out = ""
-    with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as answer:
-        assert answer.status_code == 200, answer.text
-        for line in answer.iter_lines():
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                out = json.loads(line[5:])["text"]
-    return out
 
 
 def openai_client(url: str):  # noqa: ANN201

@@ -8,14 +8,13 @@ decisions are unit-tested (``unit/test_role_migration.py``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 
-from support.cluster import Cluster, generate, long_prompt, running_cluster
+from support.cluster import Cluster, generate, long_prompt, running_cluster, streamed_generate
 from support.servers import Server
 
 #: More than --in-place-max-new-tokens (16): served on a decode-role instance only.
@@ -37,17 +36,6 @@ def routed(cluster: Cluster) -> dict[str, int]:
     return {i["name"]: i["routed"] for i in cluster.state()["instances"]}
 
 
-def streamed(url: str, text: str) -> str:
-    body = {"text": text, "sampling_params": LONG_OUT, "stream": True}
-    out = ""
-    with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as answer:
-        assert answer.status_code == 200, answer.text
-        for line in answer.iter_lines():
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                out = json.loads(line[5:])["text"]
-    return out
-
-
 def test_moved_instances_serve_in_their_new_roles(cluster: Cluster, server: Server) -> None:
     answer = migrate(cluster, {"controller": "off"})
     assert answer.status_code == 200 and answer.json()["controller"] == "off"
@@ -66,7 +54,7 @@ def test_moved_instances_serve_in_their_new_roles(cluster: Cluster, server: Serv
         expected = generate(server.url, prompt, sampling_params=LONG_OUT)
         got = generate(cluster.url, prompt, sampling_params=LONG_OUT)
         assert got["output_ids"] == expected["output_ids"], prompt[:40]
-        assert streamed(cluster.url, prompt) == expected["text"]
+        assert streamed_generate(cluster.url, prompt, LONG_OUT) == expected["text"]
     after = routed(cluster)
     # Every serve step ran on prefill-1, the one decode-role instance (two per prompt); the
     # long prompt's first request was handed off, its prefill step on a prefill-role instance

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import sys
@@ -72,6 +73,18 @@ def generate(url: str, text: str, **extra: object) -> dict:
     answer = requests.post(f"{url}/generate", json=body, timeout=300)
     assert answer.status_code == 200, answer.text
     return answer.json()
+
+
+def streamed_generate(url: str, text: str, sampling_params: dict | None = None) -> str:
+    """The text a streamed ``/generate`` of ``text`` ends with (greedy by default)."""
+    body = {"text": text, "sampling_params": sampling_params or GREEDY, "stream": True}
+    out = ""
+    with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as answer:
+        assert answer.status_code == 200, answer.text
+        for line in answer.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                out = json.loads(line[5:])["text"]
+    return out
 
 
 def check_a_burst_computes_a_shared_prefix_once(
