@@ -195,4 +195,4 @@ class BanaServeKvStore(HiCacheStorage):
         logger.info("HiCache clear ignored: the BanaServe store is shared with other instances")
 
     def close(self) -> None:
-        self._client.close()
+        (self._store or self._client).close()  # the attachment owns the client once made
