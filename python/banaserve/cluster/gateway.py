@@ -447,9 +447,10 @@ class Gateway:
 
     async def handle_migration(self, request: web.Request) -> web.Response:
         """``--migration``'s state and admin calls: see :mod:`banaserve.cluster.migration_loop`."""
+        if self.migration is not None and request.method == "POST":
+            return await self.migration.handle_post(request)
         if self.migration is not None:
-            handler = self.migration.handle_post if request.method == "POST" else None
-            return await (handler or self.migration.handle_get)(request)
+            return await self.migration.handle_get(request)
         if request.method == "POST":
             message = "migration is off: start the cluster with --migration role"
             return web.json_response({"message": message}, status=409)
