@@ -198,3 +198,49 @@ def test_the_admin_api_moves_by_hand_and_refuses_clearly() -> None:
         status, answer = post(migration, body)
         assert status in (400, 409) and message in answer["message"], (body, answer)
     assert board.role_of(P0) == Role.PREFILL and migration.moves == 1  # nothing changed
+
+
+# -- the gateway's /migration over real sockets -----------------------------------------------
+
+
+def test_the_gateway_routes_by_the_roles_posted_to_migration() -> None:
+    from aiohttp import web
+
+    from banaserve.cluster.load_board import LoadBoard
+    from banaserve.cluster.topology import InstanceSpec
+    from support.gateway import gateway_for, post, upstream
+
+    seen: list[int] = []
+
+    def recording(port: list[int]):  # noqa: ANN202
+        async def handler(request: web.Request) -> web.Response:
+            await request.json()
+            seen.append(port[0])
+            return web.json_response({"text": "ok"})
+
+        return handler
+
+    async def scenario() -> None:
+        p0, p1, d0 = [0], [0], [0]
+        async with upstream(recording(p0)) as p0[0], upstream(recording(p1)) as p1[0], \
+                upstream(recording(d0)) as d0[0]:  # fmt: skip
+            specs = [InstanceSpec("prefill-0", "prefill", p0[0]),
+                     InstanceSpec("prefill-1", "prefill", p1[0]),
+                     InstanceSpec("decode-0", "decode", d0[0])]  # fmt: skip
+            board = LoadBoard(specs)
+            async with gateway_for(specs, board, migration=RoleMigration.for_board(board)) as url:
+                short_long_output = {"text": "hi", "sampling_params": {"max_new_tokens": 99}}
+                assert (await post(f"{url}/generate", short_long_output))[0] == 200
+                status, _ = await post(f"{url}/migration",
+                                       {"instance": "prefill-1", "role": "decode"})  # fmt: skip
+                assert status == 200
+                status, _ = await post(f"{url}/migration",
+                                       {"instance": "decode-0", "role": "prefill"})  # fmt: skip
+                assert status == 200
+                assert (await post(f"{url}/generate", short_long_output))[0] == 200
+            async with gateway_for(specs) as url:  # --migration off
+                status, text = await post(f"{url}/migration", {"controller": "off"})
+                assert status == 409 and "--migration role" in text
+        assert seen == [d0[0], p1[0]]  # decode-0 serves, then prefill-1 in its place
+
+    asyncio.run(scenario())
