@@ -23,8 +23,13 @@ CORES = {P0: (0,), P1: (1,), D0: (0,)}
 HOME = {P0: Role.PREFILL, P1: Role.PREFILL, D0: Role.DECODE}
 
 
-def loads(roles: dict[str, Role], batch: dict[str, int]) -> list[InstanceLoad]:
-    return [InstanceLoad(url, str(role), running_reqs=batch.get(url, 0))
+def loads(roles: dict[str, Role], batch: dict[str, int],
+          prompt_tokens: dict[str, int] | None = None) -> list[InstanceLoad]:  # fmt: skip
+    """Each instance in its current role with ``batch`` requests, ``prompt_tokens`` of them
+    queued prompt tokens."""
+    queued = prompt_tokens or {}
+    return [InstanceLoad(url, str(role), running_reqs=batch.get(url, 0),
+                         queued_prefill_tokens=queued.get(url, 0))
             for url, role in roles.items()]  # fmt: skip
 
 
@@ -33,11 +38,11 @@ def controller(**config: float) -> RoleController:
 
 
 def run(ctl: RoleController, roles: dict[str, Role], batch: dict[str, int], start: float,
-        seconds: int) -> list:  # fmt: skip
+        seconds: int, prompt_tokens: dict[str, int] | None = None) -> list:  # fmt: skip
     """One step a second; moves applied to ``roles``."""
     moves = []
     for t in range(seconds):
-        for move in ctl.step(loads(roles, batch), start + t):
+        for move in ctl.step(loads(roles, batch, prompt_tokens), start + t):
             roles[move.url] = move.to_role
             moves.append(move)
     return moves
@@ -74,11 +79,28 @@ def test_a_moved_instance_dwells_before_it_moves_again() -> None:
     assert [m.url for m in run(ctl, roles, {P0: 5}, 17.0, 6)] == [P1]
 
 
-def test_each_role_keeps_an_instance() -> None:
+def test_one_prefill_and_one_decode_instance_mix_and_unmix() -> None:
+    """1P+1D, a core each: the only prefill instance cannot leave prefill work, so under long
+    decodes it takes decodes too (mixed); when prompts pile up, it is a prefill instance again."""
+    roles = {P0: Role.PREFILL, D0: Role.DECODE}
+    ctl = RoleController(RoleControllerConfig(dwell_s=5.0), cores={P0: (0,), D0: (1,)},
+                         home=dict(roles))  # fmt: skip
+    moves = run(ctl, roles, {D0: 8}, 0.0, 4)
+    assert [(m.url, m.to_role) for m in moves] == [(P0, Role.MIXED)]
+    # Four long prompts queue on the mixed instance, one decode left on decode-0: prefill-0
+    # goes home first; with the prompts still queued, the nearly idle decode-0 then takes
+    # prefill steps too. Nothing moves twice within its dwell.
+    back = run(ctl, roles, {P0: 4, D0: 1}, 10.0, 5, prompt_tokens={P0: 4 * 1024})
+    assert [(m.url, m.to_role) for m in back] == [(P0, Role.PREFILL), (D0, Role.MIXED)]
+    assert back[1].at - back[0].at >= ctl.config.cooldown_s
+
+
+def test_each_kind_of_work_keeps_an_instance() -> None:
     roles = {P0: Role.PREFILL, D0: Role.DECODE}
     ctl = RoleController(home=dict(roles))  # no cores given: an instance counts as one core
-    assert run(ctl, roles, {D0: 20}, 0.0, 10) == []
-    assert run(ctl, roles, {P0: 20}, 10.0, 10) == []
+    moves = run(ctl, roles, {P0: 20}, 0.0, 30)
+    assert all(m.to_role == Role.MIXED for m in moves) and roles[P0] == Role.PREFILL
+    assert ctl.keeps_every_step({P0: Role.MIXED}) and not ctl.keeps_every_step({P0: Role.DECODE})
 
 
 def test_an_unhealthy_instance_is_neither_moved_nor_counted() -> None:
@@ -89,7 +111,7 @@ def test_an_unhealthy_instance_is_neither_moved_nor_counted() -> None:
 
 def test_bad_config_is_refused() -> None:
     for bad in ({"smoothing": 0}, {"min_gain": 1}, {"decode_full_reqs": 0}, {"min_per_role": 0},
-                {"dwell_s": -1}):  # fmt: skip
+                {"dwell_s": -1}, {"prefill_unit_tokens": 0}):  # fmt: skip
         with pytest.raises(ValueError):
             RoleControllerConfig(**bad)
 
@@ -133,6 +155,9 @@ def test_a_relabelled_instance_is_routed_in_its_new_role() -> None:
     assert [c.url for c in board.candidates(Role.PREFILL)] == [P0]
     board.record_poll(SPECS[1], 'sglang:num_running_reqs{tp_rank="0"} 1\n')
     assert board.loads[P1].role == "decode"  # a poll keeps the current role
+    board.set_role(P0, Role.MIXED)  # takes both steps now
+    assert router.pick(Role.PREFILL, shape).url == P0 and router.can_prefill()
+    assert P0 in {router.pick(Role.DECODE, shape).url for _ in range(3)}
 
 
 class Request:
@@ -185,9 +210,12 @@ def test_the_admin_api_moves_by_hand_and_refuses_clearly() -> None:
     assert state["history"][-1]["reason"] == "admin"
     refusals = {
         "prefill-1 already serves as decode": {"instance": "prefill-1", "role": "decode"},
-        "would leave no healthy prefill": {"instance": "prefill-0", "role": "decode"},
+        "would leave no healthy instance for prefill": {"instance": "prefill-0", "role": "decode"},
         "no instance named 'nope'": {"instance": "nope", "role": "decode"},
-        "'role' must be 'prefill' or 'decode'": {"instance": "prefill-0", "role": "mixed"},
+        "'role' must be one of 'prefill', 'decode', 'mixed'": {
+            "instance": "prefill-0",
+            "role": "both",
+        },
         "go together": {"instance": "prefill-0"},
         "'controller' must be 'on' or 'off'": {"controller": True},
         "unknown field": {"k": 3},

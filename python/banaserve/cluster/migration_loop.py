@@ -6,9 +6,9 @@ instance by hand).
 ``POST /migration`` takes a JSON object with either or both of:
 
 - ``"controller": "on" | "off"``: whether the controller moves instances;
-- ``"instance": NAME, "role": "prefill" | "decode"``: move that instance now (it then dwells in
-  that role like a controller move). Refused with 409 when it would leave a role without a
-  healthy instance.
+- ``"instance": NAME, "role": "prefill" | "decode" | "mixed"``: move that instance now (it
+  then dwells in that role like a controller move). Refused with 409 when it would leave
+  prefill steps or serve steps without a healthy instance to take them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from banaserve.migration.role_controller import ROLES, RoleController, RoleMove
+from banaserve.migration.role_controller import ROLES, TAKES, WORK, RoleController, RoleMove
 from banaserve.router.base import Role
 from banaserve.router.board import Board, Member
 
@@ -96,29 +96,30 @@ class RoleMigration:
         if spec is None:
             known = sorted(self._by_name)
             raise MigrationRefused(f"no instance named {name!r}; instances: {known}")
+        choices = "', '".join(ROLES)
         try:
             target = Role(role)
         except ValueError:
-            raise MigrationRefused(f"'role' must be 'prefill' or 'decode', got {role!r}") from None
-        if target not in ROLES:
-            raise MigrationRefused(f"'role' must be 'prefill' or 'decode', got {role!r}")
+            raise MigrationRefused(f"'role' must be one of '{choices}', got {role!r}") from None
         source = self.board.role_of(spec.url)
         if source == target:
             raise MigrationRefused(f"{name} already serves as {target}", status=409)
-        if not any(c.url != spec.url for c in self.board.healthy(source)):
-            raise MigrationRefused(f"moving {name} would leave no healthy {source} instance", 409)
-        now, members = self.clock(), self._members()
-        before = max(self.controller.utilisation(members).values())
-        members[source] = [url for url in members[source] if url != spec.url]
-        members[target].append(spec.url)
-        after = max(self.controller.utilisation(members).values())
-        move = RoleMove(spec.url, source, target, now, before, after, reason="admin")
+        now, roles = self.clock(), self._roles()
+        after = {**roles, spec.url: target} if spec.url in roles else roles
+        for work in WORK:
+            if not any(r in TAKES[work] for r in after.values()):
+                message = f"moving {name} to {target} would leave no healthy instance for {work}"
+                raise MigrationRefused(message, status=409)
+        before = max(self.controller.utilisation(roles).values())
+        predicted = max(self.controller.utilisation(after).values())
+        move = RoleMove(spec.url, source, target, now, before, predicted, reason="admin")
         self.controller.moved(spec.url, now)
         self._apply(move)
         return move
 
-    def _members(self) -> dict[Role, list[str]]:
-        return {role: [c.url for c in self.board.healthy(role)] for role in ROLES}
+    def _roles(self) -> dict[str, Role]:
+        """The current role of every healthy instance."""
+        return {c.url: Role(c.role) for c in self.records() if c.healthy}
 
     def _apply(self, move: RoleMove) -> None:
         self.board.set_role(move.url, move.to_role)
@@ -132,7 +133,7 @@ class RoleMigration:
 
     def state(self) -> dict[str, Any]:
         names = {spec.url: spec.name for spec in self.board.specs}
-        utilisation = self.controller.utilisation(self._members())
+        utilisation = self.controller.utilisation(self._roles())
         return {
             "mode": "role",
             "controller": "on" if self.enabled else "off",

@@ -1,18 +1,24 @@
-"""Whole-instance role moves: when one role is overloaded and the other has capacity to spare,
-an instance changes role.
+"""Whole-instance role moves: when one kind of work is overloaded and the other has capacity
+to spare, an instance changes role.
 
-The cluster's pressure is the peak *utilisation* over the two roles: the outstanding requests
-of a role (queued and running on its instances, with the router's in-flight work merged in)
-over the cores its instances run on, in units of what one core serves at full speed
-(``decode_full_reqs`` decodes, ``prefill_full_reqs`` prefills). The controller makes the single
-move that lowers that peak most, if it lowers it by at least ``min_gain``: with one decode
-instance holding every long request while the prefill cores idle, a prefill instance on a core
-of its own becomes a decode instance; when prompts pile up on the prefill side, it goes back.
+An instance serves as ``prefill`` (prefill steps of handoffs, and short requests), ``decode``
+(serve steps) or ``mixed`` (both: a prefill instance that takes long decodes too, or a decode
+instance that takes prefill steps). The cluster's pressure is the peak *utilisation* over the
+two kinds of work: the outstanding requests of each (queued and running, with the router's
+in-flight work merged in; on a mixed instance its queued prompt tokens, in units of
+``prefill_unit_tokens``, count as prefill work and the rest as decode work) over the cores
+that serve it, in units of what one core serves at full speed (``decode_full_reqs`` decodes,
+``prefill_full_reqs`` prefills). A core counts whole for a kind of work when an instance of that
+role runs on it, half when only a mixed one does. The controller makes the single move that
+lowers the peak most, if it lowers it by at least ``min_gain``. With one decode instance holding
+every long request while the prefill cores idle, a prefill instance on a core of its own
+becomes a decode instance (or, where it is the only prefill instance, a mixed one); when prompts
+pile up, it goes back.
 
 Against flapping: demand is smoothed over ticks, a move must cut the peak by a margin, an
 instance stays in a role it was moved to for ``dwell_s``, and two moves are ``cooldown_s``
-apart. Each role keeps at least ``min_per_role`` healthy instances (the knobs are
-:class:`RoleControllerConfig`'s).
+apart. Prefill steps and serve steps each keep at least ``min_per_role`` healthy instances
+that take them (the knobs are :class:`RoleControllerConfig`'s).
 
 Cores are counted, not instances, because instances share cores: in the 2P+1D layout on two
 cores, the decode instance and the first prefill instance share core 0, so moving that
@@ -28,7 +34,11 @@ from dataclasses import dataclass, field
 from banaserve.router.base import Role
 from banaserve.router.load import InstanceLoad
 
-ROLES = (Role.PREFILL, Role.DECODE)
+#: The roles an instance can be moved between.
+ROLES = (Role.PREFILL, Role.DECODE, Role.MIXED)
+#: The two kinds of work, and the roles whose instances take each.
+WORK = (Role.PREFILL, Role.DECODE)
+TAKES = {Role.PREFILL: (Role.PREFILL, Role.MIXED), Role.DECODE: (Role.DECODE, Role.MIXED)}
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,8 @@ class RoleControllerConfig:
     decode_full_reqs: float = 4.0
     #: Prefill steps one core computes at once (a CPU core is busy with one).
     prefill_full_reqs: float = 1.0
+    #: Queued prompt tokens on a mixed instance that count as one prefill step.
+    prefill_unit_tokens: int = 1024
     #: Below this peak utilisation nothing moves: an idle cluster stays as it was started.
     min_peak: float = 0.5
     #: A move must cut the peak utilisation by at least this fraction.
@@ -53,8 +65,10 @@ class RoleControllerConfig:
     min_per_role: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.decode_full_reqs, self.prefill_full_reqs) <= 0:
-            raise ValueError("decode_full_reqs and prefill_full_reqs must be positive")
+        if min(self.decode_full_reqs, self.prefill_full_reqs, self.prefill_unit_tokens) <= 0:
+            raise ValueError(
+                "decode_full_reqs, prefill_full_reqs and prefill_unit_tokens must be positive"
+            )
         if not 0 < self.smoothing <= 1 or not 0 <= self.min_gain < 1:
             raise ValueError("smoothing must be in (0, 1] and min_gain in [0, 1)")
         if min(self.dwell_s, self.cooldown_s, self.min_peak) < 0 or self.min_per_role < 1:
@@ -104,61 +118,85 @@ class RoleController:
     config: RoleControllerConfig = field(default_factory=RoleControllerConfig)
     cores: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     home: Mapping[str, Role] = field(default_factory=dict)
-    demand: dict[Role, float] = field(default_factory=lambda: dict.fromkeys(ROLES, 0.0))
+    demand: dict[Role, float] = field(default_factory=lambda: dict.fromkeys(WORK, 0.0))
     moved_at: dict[str, float] = field(default_factory=dict)
     last_move_at: float = -math.inf
 
-    def utilisation(self, members: Mapping[Role, Sequence[str]]) -> dict[Role, float]:
-        """Smoothed demand of each role over the cores of ``members`` (urls per role)."""
+    def utilisation(self, roles: Mapping[str, Role]) -> dict[Role, float]:
+        """Smoothed demand of each kind of work over the cores that serve it, with the
+        healthy instances in ``roles`` (url -> role)."""
+        capacity = self._capacity(roles)
         out = {}
-        for role in ROLES:
-            cores = self._cores(members[role])
-            full = cores * self.config.full_reqs(role)
-            idle = 0.0 if not self.demand[role] else math.inf  # demand and no core to serve it
-            out[role] = self.demand[role] / full if full else idle
+        for work in WORK:
+            full = capacity[work] * self.config.full_reqs(work)
+            idle = 0.0 if not self.demand[work] else math.inf  # work and no core to serve it
+            out[work] = self.demand[work] / full if full else idle
         return out
 
     def step(self, loads: Sequence[InstanceLoad], now: float) -> list[RoleMove]:
         """The moves to make now (at most one), given every instance's record (its current
         role in ``role``)."""
         healthy = [load for load in loads if load.healthy and load.role in ROLES]
-        members = {role: [c.url for c in healthy if c.role == role] for role in ROLES}
+        roles = {c.url: Role(c.role) for c in healthy}
         alpha = self.config.smoothing
-        for role in ROLES:
-            sample = sum(c.batch_reqs for c in healthy if c.role == role)
-            self.demand[role] = alpha * sample + (1 - alpha) * self.demand[role]
-        peak = max(self.utilisation(members).values())
+        samples = dict.fromkeys(WORK, 0.0)
+        for load in healthy:
+            for work, amount in self._work_of(load).items():
+                samples[work] += amount
+        for work in WORK:
+            self.demand[work] = alpha * samples[work] + (1 - alpha) * self.demand[work]
+        peak = max(self.utilisation(roles).values())
         if peak < self.config.min_peak or now - self.last_move_at < self.config.cooldown_s:
             return []
-        best: tuple[float, InstanceLoad, Role] | None = None
-        for source, target in ((Role.PREFILL, Role.DECODE), (Role.DECODE, Role.PREFILL)):
-            if len(members[source]) <= self.config.min_per_role:
+        best: tuple[tuple[float, bool, int, str], InstanceLoad, Role] | None = None
+        for load in healthy:
+            if not self._may_move(load.url, now):
                 continue
-            for load in sorted(
-                (c for c in healthy if c.role == source and self._may_move(c.url, now)),
-                key=lambda c: (c.batch_reqs, self.home.get(c.url) != target, c.url),
-            ):
-                after = {role: list(urls) for role, urls in members.items()}
-                after[source].remove(load.url)
-                after[target].append(load.url)
+            for target in ROLES:
+                after = {**roles, load.url: target}
+                if target == roles[load.url] or not self.keeps_every_step(after):
+                    continue
                 peak_after = max(self.utilisation(after).values())
-                if best is None or peak_after < best[0]:
-                    best = (peak_after, load, target)
-        if best is None or best[0] > peak * (1 - self.config.min_gain):
+                rank = (peak_after, self.home.get(load.url) != target, load.batch_reqs, load.url)
+                if best is None or rank < best[0]:
+                    best = (rank, load, target)
+        if best is None or best[0][0] > peak * (1 - self.config.min_gain):
             return []
-        peak_after, load, target = best
+        rank, load, target = best
         self.moved_at[load.url] = self.last_move_at = now
-        return [RoleMove(load.url, Role(load.role), target, now, peak, peak_after)]
+        return [RoleMove(load.url, Role(load.role), target, now, peak, rank[0])]
+
+    def keeps_every_step(self, roles: Mapping[str, Role]) -> bool:
+        """Whether each kind of work keeps ``min_per_role`` instances that take it."""
+        return all(
+            sum(role in TAKES[work] for role in roles.values()) >= self.config.min_per_role
+            for work in WORK
+        )
 
     def moved(self, url: str, now: float) -> None:
         """An instance was moved by hand (the admin API): it dwells like a controller move."""
         self.moved_at[url] = self.last_move_at = now
 
+    def _work_of(self, load: InstanceLoad) -> dict[Role, float]:
+        if load.role == Role.PREFILL:
+            return {Role.PREFILL: load.batch_reqs}
+        if load.role == Role.DECODE:
+            return {Role.DECODE: load.batch_reqs}
+        prefill = min(load.batch_reqs, load.queued_prefill_tokens / self.config.prefill_unit_tokens)
+        return {Role.PREFILL: prefill, Role.DECODE: load.batch_reqs - prefill}
+
     def _may_move(self, url: str, now: float) -> bool:
         return now - self.moved_at.get(url, -math.inf) >= self.config.dwell_s
 
-    def _cores(self, urls: Sequence[str]) -> int:
-        cores: set[object] = set()
-        for url in urls:
-            cores.update(self.cores.get(url) or (url,))
-        return len(cores)
+    def _capacity(self, roles: Mapping[str, Role]) -> dict[Role, float]:
+        """Cores serving each kind of work: whole where an instance of that role runs on the
+        core, half where only a mixed one does."""
+        on_core: dict[object, set[Role]] = {}
+        for url, role in roles.items():
+            for core in self.cores.get(url) or (url,):
+                on_core.setdefault(core, set()).add(role)
+        capacity = dict.fromkeys(WORK, 0.0)
+        for present in on_core.values():
+            for work in WORK:
+                capacity[work] += 1.0 if work in present else 0.5 if Role.MIXED in present else 0.0
+        return capacity

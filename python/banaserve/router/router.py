@@ -63,8 +63,9 @@ class Router:
         return self.placer.reset()
 
     def can_prefill(self) -> bool:
-        """Whether any prefill instance is in routing (else a handoff computes on decode)."""
-        return bool(self.board.healthy(Role.PREFILL))
+        """Whether any instance that takes prefill steps is in routing (else a handoff
+        computes on decode)."""
+        return bool(self.board.healthy(Role.PREFILL) or self.board.healthy(Role.MIXED))
 
     def pick(
         self,
@@ -81,7 +82,8 @@ class Router:
         ``Role.PREFILL``: the handoff's prefill step, among the prefill instances.
         ``Role.DECODE``: the serve step, among the decode instances, and the prefill ones too
         with ``any_role`` (a short direct request) or ``only``; among the prefill ones when no
-        decode instance is healthy, so the cluster keeps serving. Instances in ``tried`` are
+        decode instance is healthy, so the cluster keeps serving. ``Role.MIXED`` instances
+        (moved there by the migration controller) take both steps. Instances in ``tried`` are
         skipped; ``only`` allows that one instance alone (a suspect request goes back to the
         instance that restarted). ``prefill_tokens`` (default: the whole prompt) count as
         the instance's queued prefill work until :meth:`done`.
@@ -89,10 +91,11 @@ class Router:
         Raises :class:`NoHealthyInstance` when no healthy candidate is left.
         """
         role, fallback = Role(role), False
+        mixed = self.board.healthy(Role.MIXED)
         if role == Role.PREFILL:
-            pool, policy = self.board.healthy(Role.PREFILL), self.prefill_policy
+            pool, policy = self.board.healthy(Role.PREFILL) + mixed, self.prefill_policy
         else:
-            pool, policy = self.board.healthy(Role.DECODE), self.decode_policy
+            pool, policy = self.board.healthy(Role.DECODE) + mixed, self.decode_policy
             if any_role or only is not None:
                 pool += self.board.healthy(Role.PREFILL)
             elif not pool:
