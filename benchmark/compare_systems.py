@@ -65,6 +65,9 @@ class SystemSpec:
     extra: tuple[str, ...] = ()
     #: Left out of "the best baseline": BanaServe itself and its ablations.
     ours: bool = False
+    #: ``banaserve``: its prefill and decode instances.
+    prefill: int = NUM_PREFILL
+    decode: int = NUM_DECODE
 
 
 def known_systems() -> dict[str, SystemSpec]:
@@ -154,7 +157,7 @@ def banaserve_argv(spec: SystemSpec, model: str, budget: Budget, port: int, log_
                    pin: bool) -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", "banaserve.launch_server", "--model-path", model,
-        "--num-prefill", str(NUM_PREFILL), "--num-decode", str(NUM_DECODE),
+        "--num-prefill", str(spec.prefill), "--num-decode", str(spec.decode),
         "--port", str(port), "--cluster-log-dir", str(log_dir),
         "--kv-store", "embedded", "--kv-store-capacity-gb", str(budget.store_gb),
         *instance_flags(budget), *host_pool_flags(budget),
@@ -175,13 +178,13 @@ def start_banaserve(
         state = json.loads(urllib.request.urlopen(f"{url}/cluster", timeout=30).read())
         by_role: dict[str, list[str]] = {"prefill": [], "decode": []}
         for instance in state["instances"]:
-            by_role[instance["role"]].append(instance["url"])
+            by_role[instance["home_role"]].append(instance["url"])
         no_store = "none" in spec.extra
         yield Running(
             url, by_role["prefill"], by_role["decode"],
             clear=lambda: post(f"{url}/clear_caches"), stop=process.stop,
             answering=[True] * len(state["instances"]),
-            cache_budget=f"KV {budget.kv_tokens} tok x 3" + (
+            cache_budget=f"KV {budget.kv_tokens} tok x {spec.prefill + spec.decode}" + (
                 "" if no_store else
                 f" + host pool {budget.host_ratio}x each + store {budget.store_gb} GB RAM"),
         )  # fmt: skip

@@ -219,6 +219,7 @@ def test_the_admin_api_moves_by_hand_and_refuses_clearly() -> None:
         "go together": {"instance": "prefill-0"},
         "'controller' must be 'on' or 'off'": {"controller": True},
         "unknown field": {"k": 3},
+        "'reset' must be true": {"reset": 1},
         "expected a JSON object": [1],
         "invalid JSON": b"{nope",
     }
@@ -226,6 +227,9 @@ def test_the_admin_api_moves_by_hand_and_refuses_clearly() -> None:
         status, answer = post(migration, body)
         assert status in (400, 409) and message in answer["message"], (body, answer)
     assert board.role_of(P0) == Role.PREFILL and migration.moves == 1  # nothing changed
+    status, state = post(migration, {"reset": True})
+    assert status == 200 and state["roles"]["prefill-1"] == {"home": "prefill", "role": "prefill"}
+    assert migration.controller.demand == {Role.PREFILL: 0.0, Role.DECODE: 0.0}
 
 
 # -- the gateway's /migration over real sockets -----------------------------------------------

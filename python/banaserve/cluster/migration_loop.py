@@ -8,7 +8,9 @@ instance by hand).
 - ``"controller": "on" | "off"``: whether the controller moves instances;
 - ``"instance": NAME, "role": "prefill" | "decode" | "mixed"``: move that instance now (it
   then dwells in that role like a controller move). Refused with 409 when it would leave
-  prefill steps or serve steps without a healthy instance to take them.
+  prefill steps or serve steps without a healthy instance to take them;
+- ``"reset": true``: every instance back in the role it was started in, and the controller's
+  memory (smoothed demand, dwell times) forgotten, as between two benchmark runs.
 """
 
 from __future__ import annotations
@@ -117,6 +119,14 @@ class RoleMigration:
         self._apply(move)
         return move
 
+    def reset(self) -> None:
+        """Every instance back in its home role; the controller starts afresh."""
+        for spec in self.board.specs:
+            if self.board.role_of(spec.url) != spec.role:
+                self.board.set_role(spec.url, Role(spec.role))
+        self.controller.forget()
+        logger.info("migration: every instance back in its home role")
+
     def _roles(self) -> dict[str, Role]:
         """The current role of every healthy instance."""
         return {c.url: Role(c.role) for c in self.records() if c.healthy}
@@ -157,7 +167,7 @@ class RoleMigration:
                 raise MigrationRefused(
                     "expected a JSON object with 'controller' and/or 'instance' and 'role'"
                 )
-            unknown = set(body) - {"controller", "instance", "role"}
+            unknown = set(body) - {"controller", "instance", "role", "reset"}
             if unknown:
                 raise MigrationRefused(f"unknown field(s) {sorted(unknown)}")
             controller = body.get("controller")
@@ -165,6 +175,10 @@ class RoleMigration:
                 raise MigrationRefused(f"'controller' must be 'on' or 'off', got {controller!r}")
             if ("instance" in body) != ("role" in body):
                 raise MigrationRefused("'instance' and 'role' go together")
+            if body.get("reset", False) is not False:
+                if body["reset"] is not True:
+                    raise MigrationRefused(f"'reset' must be true, got {body['reset']!r}")
+                self.reset()
             if "instance" in body:
                 self.move(str(body["instance"]), str(body["role"]))
             if controller is not None:

@@ -173,6 +173,12 @@ class RoleController:
             for work in WORK
         )
 
+    def forget(self) -> None:
+        """Start afresh: no smoothed demand, no instance dwelling."""
+        self.demand = dict.fromkeys(WORK, 0.0)
+        self.moved_at.clear()
+        self.last_move_at = -math.inf
+
     def moved(self, url: str, now: float) -> None:
         """An instance was moved by hand (the admin API): it dwells like a controller move."""
         self.moved_at[url] = self.last_move_at = now
