@@ -80,7 +80,7 @@ from compare_workloads import Workload, sweep_workloads, workloads  # noqa: E402
 FULL_SYSTEMS = (
     *(f"coloc_{n}_{p}" for n in (2, 3) for p in ("round_robin", "cache_aware", "power_of_two")),
     "coloc_hicache", "stock_cache_aware", "stock_round_robin", "stock_power_of_two", "pd_radix",
-    "banaserve",
+    "banaserve", "banaserve_role",
 )  # fmt: skip
 QUICK_SYSTEMS = ("coloc_2_round_robin", "stock_cache_aware", "banaserve")
 QUICK_WORKLOADS = ("hotspot", "hotspot_long", "cache_pressure", "uniform")

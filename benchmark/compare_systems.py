@@ -74,6 +74,8 @@ def known_systems() -> dict[str, SystemSpec]:
     specs = [
         SystemSpec("banaserve", "banaserve", ours=True),
         SystemSpec("banaserve_linker", "banaserve", extra=("--kv-store-mode", "linker"), ours=True),
+        # Whole instances change role as the load turns (migration, mechanism 4).
+        SystemSpec("banaserve_role", "banaserve", extra=("--migration", "role"), ours=True),
         # Ablations: one mechanism off each.
         SystemSpec("banaserve_no_store", "banaserve", extra=("--kv-store", "none"), ours=True),
         SystemSpec("banaserve_pure_pd", "banaserve", ours=True,
