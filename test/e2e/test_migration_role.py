@@ -75,3 +75,17 @@ def test_every_move_is_reported(cluster: Cluster) -> None:
     metrics = requests.get(f"{cluster.url}/metrics", timeout=30).text
     assert "banaserve_migration_moves_total 2" in metrics
     assert 'banaserve_instance_healthy{instance="prefill-1",role="decode"} 1' in metrics
+
+
+def test_the_migration_bench_load_runs_against_the_cluster(cluster: Cluster) -> None:
+    """``migration_bench``'s client on the real gateway: every request streams exactly its
+    output tokens (``ignore_eos``), with its first-token and per-token times."""
+    import asyncio
+
+    from migration_load import Phase, drive, schedule
+
+    plan = [Phase("prefill_heavy", 2, 300, 2, 4.0), Phase("decode_heavy", 2, 8, 20, 4.0)]
+    outcomes, duration = asyncio.run(drive(cluster.url, schedule(plan, vocab=1000)))
+    assert [o.error for o in outcomes] == ["", "", "", ""]
+    assert [o.output_tokens for o in outcomes] == [2, 2, 20, 20]
+    assert all(0 < o.ttft_s <= o.e2e_s <= duration for o in outcomes)
