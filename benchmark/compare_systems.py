@@ -146,6 +146,18 @@ def flush_instances(urls: list[str], l3: bool = False) -> None:
             post(f"{url}/hicache/storage-backend/clear")
 
 
+def clear_banaserve(url: str, migrates: bool) -> None:
+    """Every cache of the cluster cold, and with migration every instance back in its home
+    role: a workload must not start where the last one left the roles."""
+    post(f"{url}/clear_caches")
+    if migrates:
+        request = urllib.request.Request(
+            f"{url}/migration", data=b'{"reset": true}', method="POST",
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        urllib.request.urlopen(request, timeout=30).read()
+
+
 def banaserve_env() -> dict[str, str]:
     """The environment of BanaServe's processes: the installed package where it has its built
     extension (``--kv-store-mode linker`` needs ``banaserve._C``), else this source tree."""
@@ -184,7 +196,8 @@ def start_banaserve(
         no_store = "none" in spec.extra
         yield Running(
             url, by_role["prefill"], by_role["decode"],
-            clear=lambda: post(f"{url}/clear_caches"), stop=process.stop,
+            clear=lambda: clear_banaserve(url, "--migration" in spec.extra),
+            stop=process.stop,
             answering=[True] * len(state["instances"]),
             cache_budget=f"KV {budget.kv_tokens} tok x {spec.prefill + spec.decode}" + (
                 "" if no_store else

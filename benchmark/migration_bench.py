@@ -50,13 +50,6 @@ def get_json(url: str) -> dict:
         return json.loads(response.read())
 
 
-def post_json(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
-
-
 async def sample_cluster(url: str, timeline: list[dict], stop: asyncio.Event) -> None:
     """Each instance's role and batch every :data:`SAMPLE_S` (BanaServe's ``/cluster``)."""
     start = time.perf_counter()
@@ -100,9 +93,7 @@ def measure(spec: SystemSpec, args: argparse.Namespace, requests: list, budget: 
             running.clear()
             warm_up(running)
             running.clear()
-            migrates = "--migration" in spec.extra
-            if migrates:
-                post_json(f"{running.url}/migration", {"reset": True})
+            migrates = "--migration" in spec.extra  # clear() put every instance home
             before = get_json(f"{running.url}/migration") if migrates else {}
             outcomes, duration, timeline = asyncio.run(one_run(running.url, requests, ours))
             summary = summarise(outcomes, duration, SLO)

@@ -45,8 +45,11 @@ TAKES = {Role.PREFILL: (Role.PREFILL, Role.MIXED), Role.DECODE: (Role.DECODE, Ro
 class RoleControllerConfig:
     """The controller's knobs; every default is here."""
 
-    #: Decoding requests one core serves before each one's time per token grows much.
-    decode_full_reqs: float = 4.0
+    #: Decoding requests one core serves at full speed. On a CPU core one: a decode step's time
+    #: grows about in proportion to its batch there (SmolLM2-135M fp32 decodes one request at
+    #: 0.09 s per token, a batch of 4 to 6 at 0.44 s: RESULTS.md, session 7). With 4, as first
+    #: set, the controller read a core holding every long request as half busy and moved late.
+    decode_full_reqs: float = 1.0
     #: Prefill steps one core computes at once (a CPU core is busy with one).
     prefill_full_reqs: float = 1.0
     #: Queued prompt tokens on a mixed instance that count as one prefill step.
@@ -55,8 +58,10 @@ class RoleControllerConfig:
     min_peak: float = 0.5
     #: A move must cut the peak utilisation by at least this fraction.
     min_gain: float = 0.25
-    #: Seconds an instance stays in a role it was moved to before it may move again.
-    dwell_s: float = 10.0
+    #: Seconds an instance stays in a role it was moved to before it may move again. Long
+    #: enough to span a few long requests: with 10 s, a load whose prompts and decodes
+    #: alternate (uniform_long) moved one instance 6 times in 200 s.
+    dwell_s: float = 30.0
     #: Seconds between two moves of the cluster.
     cooldown_s: float = 2.0
     #: Weight of the newest demand sample in the smoothed demand (1: no smoothing).
