@@ -127,10 +127,10 @@ class LayerLoader:
     """
 
     def __init__(
-        self, kv: DeviceKv, store: StoreAttachment, depth: int, stats: dict[str, int]
+        self, kv: DeviceKv, attachment: StoreAttachment, depth: int, stats: dict[str, int]
     ) -> None:
         self.kv = kv
-        self.store = store
+        self.attachment = attachment
         self.depth = max(1, depth)
         self.stats = stats
         self.counter = BanaServeLayerCounter(kv.num_layers)
@@ -201,7 +201,7 @@ class LayerLoader:
                     return
             slot = staging[layer % depth]
             try:
-                found = self.store.get_layers(
+                found = self.attachment.get_layers(
                     keys, layer, layer + 1, [slot[p] for p in range(len(keys))]
                 )
                 if not all(found):

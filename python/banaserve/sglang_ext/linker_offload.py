@@ -36,17 +36,17 @@ class Offloader:
 
     :meth:`submit`, :meth:`drain` and the completion calls are made on SGLang's scheduler
     thread; the queue and the results queue are the only state the two threads share.
-    ``store`` is the linker's attachment (it maps SGLang's page hashes to store keys);
+    ``attachment`` is the linker's (it maps SGLang's page hashes to store keys);
     ``stats`` is the linker's (the offload counters are written on this thread). The thread
     blocks on the store; :meth:`drain` and :meth:`close` block until every queued offload is
     done.
     """
 
     def __init__(
-        self, kv: DeviceKv, store: StoreAttachment, stats: dict[str, int], name: str
+        self, kv: DeviceKv, attachment: StoreAttachment, stats: dict[str, int], name: str
     ) -> None:
         self.kv = kv
-        self.store = store
+        self.attachment = attachment
         self.stats = stats
         self._offloads = 0
         self.queue: Queue[Task | None] = Queue()
@@ -98,8 +98,8 @@ class Offloader:
     def store(self, kv: PoolTransfer, captured: Sequence[torch.Tensor | None] = ()) -> bool:
         """PUT the pages of ``kv`` the store lacks: ``captured[p]`` where the forward's
         layer-wise copy holds page p, else gathered from the device rows."""
-        keys = self.store.keys(kv.keys)
-        present = self.store.client.exists(keys)
+        keys = self.attachment.keys(kv.keys)
+        present = self.attachment.client.exists(keys)
         todo = [p for p, ok in enumerate(present) if not ok]
         if not todo:
             return True
@@ -110,7 +110,7 @@ class Offloader:
             host = self.gather(kv.device_indices.reshape(-1, self.kv.page_size)[gather].reshape(-1))
             for i, p in enumerate(gather):
                 buffers[p] = host[i]
-        stored = self.store.put([keys[p] for p in todo], [buffers[p] for p in todo])
+        stored = self.attachment.put([keys[p] for p in todo], [buffers[p] for p in todo])
         self.stats["offloaded_pages"] += sum(stored)
         self.stats["offloaded_from_capture"] += from_capture
         self._offloads += 1
