@@ -39,6 +39,8 @@ NUM_PREFILL, NUM_DECODE = 2, 1
 START_TIMEOUT_S = 900.0
 #: SGLang's page size on every system (BanaServe's store pages follow it).
 PAGE_SIZE = 16
+#: ``--in-place-max-new-tokens`` that admits every request anywhere (longer than any output).
+ANY_LENGTH = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,10 @@ def known_systems() -> dict[str, SystemSpec]:
         SystemSpec("banaserve_linker", "banaserve", extra=("--kv-store-mode", "linker"), ours=True),
         # Whole instances change role as the load turns (migration, mechanism 4).
         SystemSpec("banaserve_role", "banaserve", extra=("--migration", "role"), ours=True),
+        # Long requests too run on whichever instance's cores are least busy, prefill
+        # instances included (decided per request at route time, not by a controller).
+        SystemSpec("banaserve_any_instance", "banaserve", ours=True,
+                   extra=("--in-place-max-new-tokens", str(ANY_LENGTH))),
         # Ablations: one mechanism off each.
         SystemSpec("banaserve_no_store", "banaserve", extra=("--kv-store", "none"), ours=True),
         SystemSpec("banaserve_pure_pd", "banaserve", ours=True,

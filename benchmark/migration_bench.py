@@ -2,7 +2,8 @@
 [--repeat 3] [--cycles 2] [--out DIR]``.
 
 BanaServe with 1 prefill + 1 decode instance, pinned one core each, SmolLM2-135M fp32, with
-``--migration off`` and ``--migration role``, against the best colocated baseline of
+``--migration off``, ``--migration role`` and no controller but every request free to run on
+either instance (``_any``: the less busy core at route time), against the best colocated baseline of
 ``compare.py`` (two plain SGLang instances behind sglang-router ``round_robin``), in the same
 run with the same engine flags (``compare_systems.instance_flags``). The load
 (``migration_load.py``) shifts between prefill-heavy and decode-heavy phases. Each system runs
@@ -29,7 +30,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare import warm_up  # noqa: E402
-from compare_systems import Budget, SystemSpec, known_systems, prerequisites, start_system  # noqa: E402
+from compare_systems import (  # noqa: E402
+    ANY_LENGTH,
+    Budget,
+    SystemSpec,
+    known_systems,
+    prerequisites,
+    start_system,
+)
 from migration_load import Slo, Summary, drive, phases, schedule, summarise  # noqa: E402
 
 #: The SLO goodput counts against: a first token within 10 s (a 1024-token prefill takes a few
@@ -40,6 +48,11 @@ MODES = {
                                      decode=1),
     "banaserve_1p1d_role": SystemSpec("banaserve_1p1d_role", "banaserve", ours=True, prefill=1,
                                       decode=1, extra=("--migration", "role")),
+    # No controller: every request, long ones too, may run on the instance whose core is less
+    # busy at route time (issue 16's "let prefill instances take long decodes").
+    "banaserve_1p1d_any": SystemSpec("banaserve_1p1d_any", "banaserve", ours=True, prefill=1,
+                                     decode=1, extra=("--in-place-max-new-tokens",
+                                                      str(ANY_LENGTH))),
 }  # fmt: skip
 BASELINE = "coloc_2_round_robin"
 SAMPLE_S = 1.0
@@ -197,9 +210,19 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=2, help="prefill/decode/prefill cycles")
     parser.add_argument("--kv-tokens", type=int, default=16384)
     parser.add_argument("--out", type=Path, default=Path("benchmark/results/migration"))
+    systems = [*MODES, BASELINE]
+    parser.add_argument(
+        "--systems",
+        default=",".join(systems),
+        help=f"comma-separated subset of {', '.join(systems)} (default: all)",
+    )
     args = parser.parse_args()
     if args.repeat < 1 or args.cycles < 1:
         parser.error("--repeat and --cycles must be at least 1")
+    chosen = [name for name in args.systems.split(",") if name]
+    unknown = sorted(set(chosen) - set(systems))
+    if unknown or not chosen:
+        parser.error(f"--systems: unknown {unknown}; choose from {', '.join(systems)}")
     if args.model is None:
         from banaserve.models import default_model_path
 
@@ -209,7 +232,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     budget = Budget("float32", args.kv_tokens)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    specs = [*MODES.values(), known_systems()[BASELINE]]
+    specs = [MODES[n] if n in MODES else known_systems()[n] for n in systems if n in chosen]
     rows = {}
     for spec in specs:
         try:

@@ -112,6 +112,42 @@ def test_short_direct_requests_balance_over_every_instance() -> None:
     assert not any(p.fallback for p in picks)
 
 
+@dataclass(frozen=True)
+class PinnedSpec(Spec):
+    cores: tuple[int, ...] = ()
+
+
+def test_requests_that_may_run_anywhere_go_to_the_least_busy_core() -> None:
+    # BanaServe's 2P+1D on two cores: prefill-0 and decode-0 time-share core 0.
+    specs = [PinnedSpec("prefill-0", "prefill", "http://p0", (0,)),
+             PinnedSpec("prefill-1", "prefill", "http://p1", (1,)),
+             PinnedSpec("decode-0", "decode", "http://d0", (0,))]  # fmt: skip
+    board = Board(specs, Clock())
+    policy = make_policy("load_aware", Role.DECODE)
+    router = Router(board, make_policy("load_aware", Role.PREFILL), policy, Placer())
+    board.begin("http://p0", 0)  # a prefill step runs on core 0
+    load = {c.url: c for c in board.candidates("decode")}["http://d0"]
+    assert (load.batch_reqs, load.core_peer_reqs, load.core_reqs) == (0, 1, 1)
+    # decode-0's own batch is empty, but its core is not: a long request that may run anywhere
+    # goes to prefill-1, alone on core 1.
+    first = router.pick(Role.DECODE, shape("a"), any_role=True, prefill_tokens=0)
+    assert first.url == "http://p1"
+    # Now both cores hold one request: the tie goes by free KV, then url (decode-0 first).
+    second = router.pick(Role.DECODE, shape("b"), any_role=True, prefill_tokens=0)
+    assert second.url == "http://d0"
+    # A request that must decode on a decode instance still goes to decode-0.
+    assert router.pick(Role.DECODE, shape("c"), prefill_tokens=0).url == "http://d0"
+    # An instance out of routing adds nothing to its neighbours' cores.
+    board.mark_dead("http://p0")
+    assert {c.url: c.core_peer_reqs for c in board.candidates("decode")} == {"http://d0": 0}
+
+
+def test_unpinned_instances_share_no_core() -> None:
+    board = Board(SPECS, Clock())
+    board.begin("http://p0", 0)
+    assert [c.core_peer_reqs for c in board.candidates("decode")] == [0]
+
+
 def test_prefill_instances_serve_when_no_decode_instance_is_healthy() -> None:
     router, board, _ = make_router()
     board.mark_dead("http://d0")

@@ -62,6 +62,7 @@ class RoleMigration:
         self.enabled = True
         self.history: deque[RoleMove] = deque(maxlen=HISTORY)
         self.moves = 0
+        self.bytes_moved = 0
         self._by_name: dict[str, Member] = {spec.name: spec for spec in board.specs}
 
     @classmethod
@@ -135,6 +136,7 @@ class RoleMigration:
         self.board.set_role(move.url, move.to_role)
         self.history.append(move)
         self.moves += 1
+        self.bytes_moved += move.bytes_moved
         name = next((s.name for s in self.board.specs if s.url == move.url), move.url)
         logger.info(
             "migration: %s now serves as %s (%s; peak utilisation %.2f -> %.2f)",
@@ -148,7 +150,7 @@ class RoleMigration:
             "mode": "role",
             "controller": "on" if self.enabled else "off",
             "moves": self.moves,
-            "bytes_moved": sum(m.bytes_moved for m in self.history),
+            "bytes_moved": self.bytes_moved,
             "utilisation": {str(r): round(u, 3) for r, u in utilisation.items()},
             "roles": {
                 spec.name: {"home": spec.role, "role": str(self.board.role_of(spec.url))}
@@ -175,9 +177,14 @@ class RoleMigration:
                 raise MigrationRefused(f"'controller' must be 'on' or 'off', got {controller!r}")
             if ("instance" in body) != ("role" in body):
                 raise MigrationRefused("'instance' and 'role' go together")
-            if body.get("reset", False) is not False:
-                if body["reset"] is not True:
-                    raise MigrationRefused(f"'reset' must be true, got {body['reset']!r}")
+            reset = body.get("reset", False)
+            if not isinstance(reset, bool):
+                raise MigrationRefused(f"'reset' must be true, got {reset!r}")
+            if reset and "instance" in body:
+                # Refused before either is applied: a move checked against the roles before
+                # the reset could be one the reset makes impossible, or a no-op.
+                raise MigrationRefused("'reset' and a move ('instance', 'role') go separately")
+            if reset:
                 self.reset()
             if "instance" in body:
                 self.move(str(body["instance"]), str(body["role"]))

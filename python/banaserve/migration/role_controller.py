@@ -55,7 +55,10 @@ class RoleControllerConfig:
     #: Queued prompt tokens on a mixed instance that count as one prefill step.
     prefill_unit_tokens: int = 1024
     #: Below this peak utilisation nothing moves: an idle cluster stays as it was started.
-    min_peak: float = 0.5
+    #: One core's worth of work: at 0.5 the controller moved on a benchmark's warm-up
+    #: request. Smoothed demand only approaches a constant load, so one lone request (1.0 at
+    #: ``decode_full_reqs`` 1) never moves anything; a second one does.
+    min_peak: float = 1.0
     #: A move must cut the peak utilisation by at least this fraction.
     min_gain: float = 0.25
     #: Seconds an instance stays in a role it was moved to before it may move again. Long

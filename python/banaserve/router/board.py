@@ -66,7 +66,9 @@ class Board:
 
     Contract: confined to one thread (the gateway's event loop); nothing is locked and nothing
     blocks. ``clock`` (monotonic seconds) stamps the records it makes, so a simulator drives it
-    on its own time. Subclasses learn when an instance leaves routing and when it returns
+    on its own time. A member with a ``cores`` attribute (the cluster's ``InstanceSpec``) is
+    pinned there; members pinned to a common core count each other's requests as
+    ``core_peer_reqs``. Subclasses learn when an instance leaves routing and when it returns
     through :meth:`_left` and :meth:`_returned` (the gateway wakes the requests waiting on it).
     """
 
@@ -78,6 +80,7 @@ class Board:
         self._failures: dict[str, int] = defaultdict(int)
         self._dead: set[str] = set()
         self._roles: dict[str, Role] = {spec.url: Role(spec.role) for spec in specs}
+        self._peers = core_peers(specs)
         now = clock()
         self.loads: dict[str, InstanceLoad] = {
             spec.url: InstanceLoad(url=spec.url, role=spec.role, updated_at=now) for spec in specs
@@ -94,16 +97,20 @@ class Board:
         return previous
 
     def candidates(self, role: str) -> list[InstanceLoad]:
-        """Every instance of ``role``, healthy or not, with the router's in-flight work."""
-        out = []
-        for spec in self.specs:
-            if self._roles[spec.url] != role:
-                continue
-            inflight = self._inflight[spec.url]
-            out.append(
-                with_inflight(self.loads[spec.url], inflight.requests, inflight.prefill_tokens)
-            )
-        return out
+        """Every instance of ``role``, healthy or not, with the router's in-flight work and
+        the requests of the healthy instances that share its cores (``core_peer_reqs``)."""
+        merged = {spec.url: self._with_inflight(spec.url) for spec in self.specs}
+        return [
+            replace(merged[spec.url], core_peer_reqs=sum(
+                merged[peer].batch_reqs for peer in self._peers[spec.url] if merged[peer].healthy
+            ))
+            for spec in self.specs
+            if self._roles[spec.url] == role
+        ]  # fmt: skip
+
+    def _with_inflight(self, url: str) -> InstanceLoad:
+        inflight = self._inflight[url]
+        return with_inflight(self.loads[url], inflight.requests, inflight.prefill_tokens)
 
     def healthy(self, role: str) -> list[InstanceLoad]:
         return [load for load in self.candidates(role) if load.healthy]
@@ -177,3 +184,13 @@ class Board:
 
     def _returned(self, url: str) -> None:
         """``url`` is back in routing (a hook)."""
+
+
+def core_peers(specs: Sequence[Member]) -> dict[str, tuple[str, ...]]:
+    """Each member's url -> the urls of the other members pinned to a core it runs on (a
+    member without ``cores``, or with none, shares no core)."""
+    cores = {spec.url: set(getattr(spec, "cores", ()) or ()) for spec in specs}
+    return {
+        url: tuple(other for other in cores if other != url and mine & cores[other])
+        for url, mine in cores.items()
+    }

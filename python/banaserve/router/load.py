@@ -21,6 +21,7 @@ _COUNT_FIELDS = (
     "queued_prefill_tokens",
     "kv_used_tokens",
     "kv_capacity_tokens",
+    "core_peer_reqs",
 )
 
 
@@ -38,6 +39,11 @@ class InstanceLoad:
     - ``queued_prefill_tokens`` are prompt tokens still waiting to be prefilled.
     - ``kv_used_tokens`` are KV slots held by live requests (not the evictable prefix cache,
       which the engine frees on demand).
+    - ``core_peer_reqs`` are the requests (queued and running) of the *other* instances pinned
+      to a core this one runs on. The instance does not know them; the router's board fills
+      them in from the cluster's placement (0 where the instance has its cores to itself or
+      nothing is pinned). On a CPU core two instances time-share, so a neighbour's batch slows
+      this one's steps as much as its own does.
     - ``updated_at`` is the producer's ``time.monotonic()`` when the numbers were read: it is
       comparable only within the producing process.
 
@@ -54,6 +60,7 @@ class InstanceLoad:
     kv_capacity_tokens: int = 0
     gen_tokens_per_s: float = 0.0
     updated_at: float = 0.0
+    core_peer_reqs: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -80,6 +87,11 @@ class InstanceLoad:
     def batch_reqs(self) -> int:
         """Requests the instance holds: queued plus running."""
         return self.queued_reqs + self.running_reqs
+
+    @property
+    def core_reqs(self) -> int:
+        """Requests on this instance's cores: its own and its core neighbours'."""
+        return self.batch_reqs + self.core_peer_reqs
 
     def age_s(self, now: float) -> float:
         """Seconds since the numbers were read; ``now`` from the producer's monotonic clock."""

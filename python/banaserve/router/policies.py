@@ -32,25 +32,32 @@ DECODE_KV_HIGH_WATERMARK = 0.9
 def load_aware_prefill(candidates: Sequence[InstanceLoad], role: str = "prefill") -> InstanceLoad:
     """The healthy instance with the fewest queued prefill tokens.
 
-    Ties go to fewer queued+running requests, then to the smaller url, so the choice is
-    deterministic. Queued prompt tokens are what a new request waits behind before its first
-    token; cache affinity is deliberately ignored, since the global store makes every
-    instance's prefix cache the same.
+    Ties go to fewer requests on the instance's cores (:attr:`InstanceLoad.core_reqs`: its
+    own queued+running ones and those of instances pinned to the same cores, which time-share
+    them), then to the smaller url, so the choice is deterministic. Queued prompt tokens are
+    what a new request waits behind before its first token; cache affinity is deliberately
+    ignored, since the global store makes every instance's prefix cache the same.
     """
     return min(
         healthy_candidates(candidates, role),
-        key=lambda c: (c.queued_prefill_tokens, c.batch_reqs, c.url),
+        key=lambda c: (c.queued_prefill_tokens, c.core_reqs, c.url),
     )
 
 
 def decode_sort_key(c: InstanceLoad) -> tuple[bool, int, int, str]:
-    """The decode ordering, smallest first: (KV saturated, batch, -free KV, url).
+    """The decode ordering, smallest first: (KV saturated, requests on its cores, -free KV,
+    url).
 
     1. KV saturation (usage >= :data:`DECODE_KV_HIGH_WATERMARK`) first: SGLang's decode admits
        a request only when its KV fits and retracts running requests when the pool runs out,
        so a short batch on a nearly full pool is not spare capacity.
-    2. Then the batch (running + queued): a decode step's time, and so every request's
-       time per output token, grows with the batch it shares, and queued requests will join it.
+    2. Then the requests on its cores (:attr:`InstanceLoad.core_reqs`: its batch, running +
+       queued, plus that of the instances pinned to the same cores): a decode step's time, and
+       so every request's time per output token, grows with the batch it shares, and queued
+       requests will join it. Instances that time-share a CPU core slow each other as much:
+       in the 2P+1D layout on two cores the decode instance shares core 0 with a prefill
+       instance, so a long request that may run anywhere goes to the other core's instance
+       when core 0 is the busier one.
     3. Then the most free KV: with equal batches, the one with shorter contexts (cheaper steps)
        and more headroom for this request's growth.
     4. Then the url, for determinism.
@@ -59,7 +66,7 @@ def decode_sort_key(c: InstanceLoad) -> tuple[bool, int, int, str]:
     holds across models and pool sizes, and the simulator must reproduce choices exactly.
     """
     saturated = c.kv_capacity_tokens > 0 and c.kv_usage >= DECODE_KV_HIGH_WATERMARK
-    return (saturated, c.batch_reqs, -c.kv_free_tokens, c.url)
+    return (saturated, c.core_reqs, -c.kv_free_tokens, c.url)
 
 
 def load_aware_decode(candidates: Sequence[InstanceLoad], role: str = "decode") -> InstanceLoad:
