@@ -107,7 +107,9 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             )
         notes.append("no NVIDIA driver: SGLang CPU engine")
     try:
-        env = pipeline_plan(args, ours.pp_layer_boundary, Path(model_path), notes)
+        env = pipeline_plan(
+            args, ours.pp_layer_boundary, Path(model_path), notes, serves=cluster is None
+        )
     except ValueError as exc:
         parser.error(str(exc))
     return LaunchConfig(
@@ -116,12 +118,17 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
 
 
 def pipeline_plan(
-    args: argparse.Namespace, boundary: int | None, model_path: Path, notes: list[str]
-) -> dict[str, str]:
+    args: argparse.Namespace, boundary: int | None, model_path: Path, notes: list[str],
+    *, serves: bool,
+) -> dict[str, str]:  # fmt: skip
     """The environment SGLang's pipeline stages need (see
     :mod:`banaserve.server.pipeline_options`), for this process's cores; ValueError when
-    ``--pp-layer-boundary`` does not fit ``--pp-size`` or the model."""
+    ``--pp-layer-boundary`` does not fit ``--pp-size`` or the model. ``serves``: this process
+    runs the server; a cluster's launcher only checks, since each instance's own launcher
+    decides its environment, from the cores it is pinned to."""
     split = layer_split(boundary, args.pp_size, model_path)
+    if not serves:
+        return {}
     if split is not None:
         notes.append(
             f"pipeline: stage 0 runs layers [0, {split.boundary}), stage 1 "

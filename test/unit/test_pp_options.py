@@ -115,6 +115,12 @@ def test_the_launcher_plans_the_split(
     assert "pipeline: stage 0 runs layers [0, 3), stage 1 [3, 8)" in plan.notes
     assert plan_launch(base).env == {THREADS_BIND_ENV: "0|1"}
     assert plan_launch(["--model-path", str(model)]).env == {}
+    # A cluster checks the flag; each instance's launcher sets its own environment.
+    cluster = [*base, "--num-prefill", "1", "--num-decode", "1"]
+    assert plan_launch([*cluster, "--pp-layer-boundary", "3"]).env == {}
+    with pytest.raises(SystemExit):
+        plan_launch([*cluster, "--pp-layer-boundary", "9"])
+    assert "must be between 1 and 7" in capsys.readouterr().err
     for bad, message in [
         (["--pp-layer-boundary", "3"], "needs --pp-size 2 (got --pp-size 1)"),
         ([*base[2:], "--pp-layer-boundary", "8"], "must be between 1 and 7"),
