@@ -10,6 +10,7 @@ bounds, token ids out of the vocabulary, a model it does not serve).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -26,6 +27,7 @@ from banaserve.server.cli import (
 )
 from banaserve.server.kv_pool_sizing import size_kv_pool
 from banaserve.server.memory_plan import host_pool_ratio
+from banaserve.server.pipeline_options import check_boundary_flags, layer_split, pipeline_env
 from banaserve.server.request_limits import RequestLimits
 from banaserve.server.store_options import KV_STORE_EMBEDDED, KvStoreOptions
 from banaserve.utils.processes import ManagedProcess
@@ -52,6 +54,7 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             ours.kv_store = KV_STORE_EMBEDDED  # its own store, unless told --kv-store none
         kv_store = KvStoreOptions.from_args(ours)
         request_limits = request_limits_from_args(ours)
+        check_boundary_flags(ours.pp_layer_boundary, args.pp_size)  # before any conversion
     except ValueError as exc:
         parser.error(str(exc))
     if kv_store is not None:
@@ -103,9 +106,39 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
                 f" GiB of {size.available_bytes / 2**30:.1f} GiB available)"
             )
         notes.append("no NVIDIA driver: SGLang CPU engine")
+    try:
+        env = pipeline_plan(
+            args, ours.pp_layer_boundary, Path(model_path), notes, serves=cluster is None
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     return LaunchConfig(
-        sglang_argv, [served_name, model_path], notes, kv_store, cluster, request_limits
+        sglang_argv, [served_name, model_path], notes, kv_store, cluster, request_limits, env
     )
+
+
+def pipeline_plan(
+    args: argparse.Namespace, boundary: int | None, model_path: Path, notes: list[str],
+    *, serves: bool,
+) -> dict[str, str]:  # fmt: skip
+    """The environment SGLang's pipeline stages need (see
+    :mod:`banaserve.server.pipeline_options`), for this process's cores; ValueError when
+    ``--pp-layer-boundary`` does not fit ``--pp-size`` or the model. ``serves``: this process
+    runs the server; a cluster's launcher only checks, since each instance's own launcher
+    decides its environment, from the cores it is pinned to."""
+    split = layer_split(boundary, args.pp_size, model_path)
+    if not serves:
+        return {}
+    if split is not None:
+        notes.append(
+            f"pipeline: stage 0 runs layers [0, {split.boundary}), stage 1 "
+            f"[{split.boundary}, {split.num_layers})"
+        )
+    ranks = args.dp_size * args.tp_size * args.pp_size
+    cores = sorted(os.sched_getaffinity(0))
+    env = pipeline_env(split, ranks, cores, os.environ, cpu=cpu_platform_wanted())
+    notes.extend(f"{key}={value}" for key, value in env.items())
+    return env
 
 
 def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, list[str]]:
@@ -173,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     if plan.cluster is not None:
         run_cluster_or_exit(argv, plan)
         return
+    # Before SGLang starts: its scheduler processes inherit the environment.
+    os.environ.update(plan.env)
 
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins

@@ -41,3 +41,20 @@ def test_kv_store_flags_are_validated(tiny_model: Path) -> None:
         )  # fmt: skip
         assert run.returncode == 2, run.stderr[-2000:]
         assert message in run.stderr
+
+
+def test_pp_layer_boundary_is_validated_before_anything_starts(tiny_model: Path) -> None:
+    for bad, message in [
+        (["--pp-layer-boundary", "1"], "it needs --pp-size 2 (got --pp-size 1)"),
+        (["--pp-size", "2", "--pp-layer-boundary", "2"], "the model has 2 layers, so it must be "
+                                                          "between 1 and 1"),
+    ]:  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-m", "banaserve.launch_server", "--model-path", str(tiny_model),
+             *bad],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 2, run.stderr[-2000:]
+        last = run.stderr.splitlines()[-1]  # one line, after the usage text
+        assert last.startswith("python -m banaserve.launch_server: error: --pp-layer-boundary")
+        assert message in last

@@ -54,6 +54,9 @@ class TinySpec:
     max_position_embeddings: int = 2048
     init_std: float = 0.02
     seed: int = 0
+    #: Untied by default: with tied embeddings and small random layers, greedy decoding
+    #: mostly repeats the last input token; a separate head gives varied outputs.
+    tie_word_embeddings: bool = False
 
 
 def build_tokenizer(spec: TinySpec = TinySpec()) -> PreTrainedTokenizerFast:
@@ -112,16 +115,21 @@ def _random_weights(shapes: dict[str, tuple[int, ...]], spec: TinySpec) -> dict:
     return tensors
 
 
-def build_tiny_model(out: Path, *, seed: int = 0, force: bool = False) -> Path:
+def build_tiny_model(
+    out: Path, *, seed: int = 0, force: bool = False, spec: TinySpec | None = None
+) -> Path:
     """Build the tiny model into ``out`` atomically and return ``out``.
 
-    Raises ``OutputExistsError`` if ``out`` is a non-empty directory and ``force`` is false.
+    ``spec`` changes its shape (``seed`` is ignored then: the spec carries its own); a
+    weight's values depend only on the seed and its name, so a variant with more layers
+    shares the default model's first layers. Raises ``OutputExistsError`` if ``out`` is a
+    non-empty directory and ``force`` is false.
     """
     import torch
     from safetensors.torch import save_file
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    spec = TinySpec(seed=seed)
+    spec = TinySpec(seed=seed) if spec is None else spec
     out = Path(out)
     with atomic_output_dir(out, force=force) as tmp:
         tokenizer = build_tokenizer(spec)
@@ -135,9 +143,7 @@ def build_tiny_model(out: Path, *, seed: int = 0, force: bool = False) -> Path:
             num_key_value_heads=spec.num_key_value_heads,
             max_position_embeddings=spec.max_position_embeddings,
             initializer_range=spec.init_std,
-            # Untied: with tied embeddings and small random layers, greedy decoding mostly
-            # repeats the last input token; a separate head gives varied outputs.
-            tie_word_embeddings=False,
+            tie_word_embeddings=spec.tie_word_embeddings,
             bos_token_id=ids[BOS_TOKEN],
             eos_token_id=ids[EOS_TOKEN],
             pad_token_id=ids[PAD_TOKEN],
@@ -147,6 +153,8 @@ def build_tiny_model(out: Path, *, seed: int = 0, force: bool = False) -> Path:
         # The meta device gives names and shapes without allocating or initialising.
         with torch.device("meta"):
             shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+        if spec.tie_word_embeddings:
+            shapes.pop("lm_head.weight", None)  # the embedding is the head: one tensor
         save_file(_random_weights(shapes, spec), tmp / "model.safetensors", {"format": "pt"})
         config.save_pretrained(tmp)
         GenerationConfig(

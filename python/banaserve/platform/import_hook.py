@@ -5,7 +5,8 @@ scheduler and detokenizer processes SGLang spawns without editing SGLang's files
 one set lookup per import, and does nothing at all where CUDA is usable. Besides
 ``sgl_kernel`` (see :mod:`banaserve.platform.sgl_kernel_fallback`) it patches a few SGLang
 modules right after they execute (see :mod:`banaserve.platform.hicache_cpu`,
-:mod:`banaserve.platform.pd_cpu`, :mod:`banaserve.platform.sdpa_cpu` and, for tests only,
+:mod:`banaserve.platform.pd_cpu`, :mod:`banaserve.platform.pp_cpu`,
+:mod:`banaserve.platform.pp_tied_head`, :mod:`banaserve.platform.sdpa_cpu` and, for tests only,
 :mod:`banaserve.platform.fault_injection`).
 """
 
@@ -22,12 +23,17 @@ from banaserve.platform.environment import apply_cpu_environment
 from banaserve.platform.fault_injection import POST_IMPORT_PATCHES as _FAULT_PATCHES
 from banaserve.platform.hicache_cpu import POST_IMPORT_PATCHES as _HICACHE_PATCHES
 from banaserve.platform.pd_cpu import POST_IMPORT_PATCHES as _PD_PATCHES
+from banaserve.platform.pp_cpu import POST_IMPORT_PATCHES as _PP_PATCHES
+from banaserve.platform.pp_tied_head import POST_IMPORT_PATCHES as _TIED_HEAD_PATCHES
 from banaserve.platform.sdpa_cpu import POST_IMPORT_PATCHES as _SDPA_PATCHES
 
-POST_IMPORT_PATCHES = {**_HICACHE_PATCHES, **_PD_PATCHES, **_SDPA_PATCHES, **_FAULT_PATCHES}
-assert len(POST_IMPORT_PATCHES) == sum(
-    map(len, (_HICACHE_PATCHES, _PD_PATCHES, _SDPA_PATCHES, _FAULT_PATCHES))
-), "two patches of one module: chain them instead"
+_ALL_PATCHES = (
+    _HICACHE_PATCHES, _PD_PATCHES, _PP_PATCHES, _TIED_HEAD_PATCHES, _SDPA_PATCHES, _FAULT_PATCHES
+)  # fmt: skip
+POST_IMPORT_PATCHES = {name: patch for patches in _ALL_PATCHES for name, patch in patches.items()}
+assert len(POST_IMPORT_PATCHES) == sum(map(len, _ALL_PATCHES)), (
+    "two patches of one module: chain them instead"
+)
 
 _WATCHED = frozenset({"sglang", "sgl_kernel", *POST_IMPORT_PATCHES})
 

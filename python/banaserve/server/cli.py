@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from banaserve.cluster.restart_policy import RestartPolicy
+from banaserve.server.pipeline_options import add_pipeline_args
 from banaserve.server.request_limits import (
     DEFAULT_MAX_JSON_DEPTH,
     DEFAULT_MAX_N,
@@ -48,7 +49,9 @@ CLUSTER_SWITCHES = ("--cpu-affinity",)
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """What the launcher decided: the argv handed to SGLang and BanaServe's own options."""
+    """What the launcher decided: the argv handed to SGLang and BanaServe's own options.
+    ``env``: variables a single server exports before SGLang starts (a cluster's instances
+    each decide their own, from their own cores)."""
 
     sglang_argv: list[str]
     served_names: list[str]
@@ -56,6 +59,7 @@ class LaunchConfig:
     kv_store: KvStoreOptions | None = None
     cluster: ClusterOptions | None = None
     request_limits: RequestLimits = field(default_factory=RequestLimits)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,7 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_N,
         help=f"Most completions one request may ask for (n, best_of; default: {DEFAULT_MAX_N}).",
     )
+    add_pipeline_args(parser.add_argument_group("BanaServe pipeline parallelism"))
     store = parser.add_argument_group("BanaServe KV store")
     KvStoreOptions.add_args(store)
     cluster = parser.add_argument_group("BanaServe cluster")
