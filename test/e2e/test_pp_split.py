@@ -9,16 +9,20 @@ one OpenMP thread each (``support.servers``), which bit-exactness needs.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
 from banaserve.models import build_tiny_model
 from banaserve.models.tiny import TinySpec
+from banaserve.server.pipeline_options import threads_bind
 from support.servers import Server, start_server
 
 LAYERS = 8
@@ -111,6 +115,38 @@ def test_each_stage_holds_the_layers_it_was_given(
         tokens, k_gib = sizes[stage]
         assert tokens >= SPLIT_KV_TOKENS // 2  # the margin the comment above counts on
         assert k_gib == f"{tokens * k_bytes_per_token_layer * layers / 2**30:.2f}", sizes
+
+
+def stage_processes(server: Server) -> dict[int, psutil.Process]:
+    """The server's pipeline stage processes by rank (SGLang titles them
+    ``sglang::scheduler_PP<rank>``)."""
+    stages = {}
+    for child in psutil.Process(server.process.pid).children(recursive=True):
+        title = " ".join(child.cmdline())
+        match = re.match(r"sglang::scheduler_PP(\d)", title)
+        if match:
+            stages[int(match.group(1))] = child
+    return stages
+
+
+def test_each_stage_runs_on_its_own_core(servers: tuple[Server, Server]) -> None:
+    """SGLang binds a rank's threads only with its AMX kernels; BanaServe's platform pins each
+    stage process (every thread) to its entry of SGLANG_CPU_OMP_THREADS_BIND, which the
+    launcher split from the server's cores: here stage 0 on one core, stage 1 on the other."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: both stages share it")
+    _, split = servers
+    stages = stage_processes(split)
+    assert sorted(stages) == [0, 1], [" ".join(p.cmdline()) for p in stages.values()]
+    expected = threads_bind(2, cores).split("|")
+    for rank, process in stages.items():
+        want = {int(core) for core in expected[rank].split(",")}
+        masks = set()
+        for thread in process.threads():
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                masks.add(frozenset(os.sched_getaffinity(thread.id)))
+        assert masks == {frozenset(want)}, (rank, masks)
 
 
 @pytest.mark.parametrize("prompt", range(len(PROMPTS)))

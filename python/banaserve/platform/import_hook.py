@@ -6,7 +6,8 @@ one set lookup per import, and does nothing at all where CUDA is usable. Besides
 ``sgl_kernel`` (see :mod:`banaserve.platform.sgl_kernel_fallback`) it patches a few SGLang
 modules right after they execute (see :mod:`banaserve.platform.hicache_cpu`,
 :mod:`banaserve.platform.pd_cpu`, :mod:`banaserve.platform.pp_cpu`,
-:mod:`banaserve.platform.pp_tied_head`, :mod:`banaserve.platform.sdpa_cpu` and, for tests only,
+:mod:`banaserve.platform.pp_tied_head`, :mod:`banaserve.platform.sdpa_cpu`,
+:mod:`banaserve.platform.stage_pinning` and, for tests only,
 :mod:`banaserve.platform.fault_injection`).
 """
 
@@ -26,9 +27,11 @@ from banaserve.platform.pd_cpu import POST_IMPORT_PATCHES as _PD_PATCHES
 from banaserve.platform.pp_cpu import POST_IMPORT_PATCHES as _PP_PATCHES
 from banaserve.platform.pp_tied_head import POST_IMPORT_PATCHES as _TIED_HEAD_PATCHES
 from banaserve.platform.sdpa_cpu import POST_IMPORT_PATCHES as _SDPA_PATCHES
+from banaserve.platform.stage_pinning import POST_IMPORT_PATCHES as _PINNING_PATCHES
 
 _ALL_PATCHES = (
-    _HICACHE_PATCHES, _PD_PATCHES, _PP_PATCHES, _TIED_HEAD_PATCHES, _SDPA_PATCHES, _FAULT_PATCHES
+    _HICACHE_PATCHES, _PD_PATCHES, _PP_PATCHES, _TIED_HEAD_PATCHES, _SDPA_PATCHES,
+    _PINNING_PATCHES, _FAULT_PATCHES,
 )  # fmt: skip
 POST_IMPORT_PATCHES = {name: patch for patches in _ALL_PATCHES for name, patch in patches.items()}
 assert len(POST_IMPORT_PATCHES) == sum(map(len, _ALL_PATCHES)), (
