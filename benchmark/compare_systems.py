@@ -78,6 +78,8 @@ def known_systems() -> dict[str, SystemSpec]:
         SystemSpec("banaserve_linker", "banaserve", extra=("--kv-store-mode", "linker"), ours=True),
         # Whole instances change role as the load turns (migration, mechanism 4).
         SystemSpec("banaserve_role", "banaserve", extra=("--migration", "role"), ours=True),
+        # The decode instance runs its later layers on prefill-1's core (a fixed split).
+        SystemSpec("banaserve_layer", "banaserve", extra=("--migration", "layer"), ours=True),
         # Long requests too run on whichever instance's cores are least busy, prefill
         # instances included (decided per request at route time, not by a controller).
         SystemSpec("banaserve_any_instance", "banaserve", ours=True,
@@ -202,7 +204,7 @@ def start_banaserve(
         no_store = "none" in spec.extra
         yield Running(
             url, by_role["prefill"], by_role["decode"],
-            clear=lambda: clear_banaserve(url, "--migration" in spec.extra),
+            clear=lambda: clear_banaserve(url, "role" in spec.extra),
             stop=process.stop,
             answering=[True] * len(state["instances"]),
             cache_budget=f"KV {budget.kv_tokens} tok x {spec.prefill + spec.decode}" + (

@@ -48,6 +48,9 @@ MODES = {
                                      decode=1),
     "banaserve_1p1d_role": SystemSpec("banaserve_1p1d_role", "banaserve", ours=True, prefill=1,
                                       decode=1, extra=("--migration", "role")),
+    # The decode instance runs layers [L/2, L) on the prefill instance's core (fixed split).
+    "banaserve_1p1d_layer": SystemSpec("banaserve_1p1d_layer", "banaserve", ours=True,
+                                       prefill=1, decode=1, extra=("--migration", "layer")),
     # No controller: every request, long ones too, may run on the instance whose core is less
     # busy at route time (issue 16's "let prefill instances take long decodes").
     "banaserve_1p1d_any": SystemSpec("banaserve_1p1d_any", "banaserve", ours=True, prefill=1,
@@ -106,7 +109,7 @@ def measure(spec: SystemSpec, args: argparse.Namespace, requests: list, budget: 
             running.clear()
             warm_up(running)
             running.clear()
-            migrates = "--migration" in spec.extra  # clear() put every instance home
+            migrates = "role" in spec.extra  # clear() put every instance home
             before = get_json(f"{running.url}/migration") if migrates else {}
             outcomes, duration, timeline = asyncio.run(one_run(running.url, requests, ours))
             summary = summarise(outcomes, duration, SLO)

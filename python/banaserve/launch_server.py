@@ -27,7 +27,12 @@ from banaserve.server.cli import (
 )
 from banaserve.server.kv_pool_sizing import size_kv_pool
 from banaserve.server.memory_plan import host_pool_ratio
-from banaserve.server.pipeline_options import check_boundary_flags, layer_split, pipeline_env
+from banaserve.server.pipeline_options import (
+    check_boundary_flags,
+    layer_split,
+    lending_split,
+    pipeline_env,
+)
 from banaserve.server.request_limits import RequestLimits
 from banaserve.server.store_options import KV_STORE_EMBEDDED, KvStoreOptions
 from banaserve.utils.processes import ManagedProcess
@@ -54,7 +59,8 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             ours.kv_store = KV_STORE_EMBEDDED  # its own store, unless told --kv-store none
         kv_store = KvStoreOptions.from_args(ours)
         request_limits = request_limits_from_args(ours)
-        check_boundary_flags(ours.pp_layer_boundary, args.pp_size)  # before any conversion
+        if cluster is None or cluster.migration != "layer":
+            check_boundary_flags(ours.pp_layer_boundary, args.pp_size)  # before any conversion
     except ValueError as exc:
         parser.error(str(exc))
     if kv_store is not None:
@@ -107,9 +113,14 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             )
         notes.append("no NVIDIA driver: SGLang CPU engine")
     try:
-        env = pipeline_plan(
-            args, ours.pp_layer_boundary, Path(model_path), notes, serves=cluster is None
-        )
+        if cluster is not None and cluster.migration == "layer":
+            split = lending_split(ours.pp_layer_boundary, args.pp_size, Path(model_path))
+            notes.append(f"decode instances lend layers [{split.boundary}, {split.num_layers})")
+            env = {}
+        else:
+            env = pipeline_plan(
+                args, ours.pp_layer_boundary, Path(model_path), notes, serves=cluster is None
+            )
     except ValueError as exc:
         parser.error(str(exc))
     return LaunchConfig(
@@ -186,7 +197,7 @@ def run_cluster_or_exit(argv: list[str], plan: LaunchConfig) -> None:
     args = build_parser().parse_args(argv)
     try:
         run_cluster(argv, args, plan.cluster, plan.kv_store, plan.served_names[1])
-    except (ChildFailed, MemoryPlanError) as exc:
+    except (ChildFailed, MemoryPlanError, ValueError) as exc:
         logger.error("the cluster failed to start: %s", exc)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -115,6 +115,7 @@ class Gateway:
         guard: PoisonGuard | None = None,
         clear_store: ClearStore | None = None,
         migration: RoleMigration | None = None,
+        fixed_migration: dict[str, Any] | None = None,
     ) -> None:
         self.board = board
         placer = placer if placer is not None else Placer()
@@ -126,7 +127,9 @@ class Gateway:
         self.counters = GatewayCounters()
         self.failover = Failover(board, self.counters, deaths, guard)
         self.session: aiohttp.ClientSession | None = None
-        self.migration = migration  # None: --migration off
+        self.migration = migration  # None: --migration off, or layer (fixed_migration)
+        #: ``--migration layer``'s layout, fixed at start: what /migration reports.
+        self.fixed_migration = fixed_migration
 
     # -- app ---------------------------------------------------------------------------------
 
@@ -418,7 +421,7 @@ class Gateway:
             instances.append({
                 "name": spec.name, "role": str(self.board.role_of(spec.url)),
                 "home_role": spec.role, "url": spec.url,
-                "cores": list(spec.cores), "load": load.to_json(),
+                "cores": list(spec.cores), "args": list(spec.args), "load": load.to_json(),
                 "routed": stats.routed, "failed": stats.failed,
                 "inflight": self.board.inflight_requests(spec.url),
                 "prompt_tokens": stats.prompt_tokens,
@@ -435,7 +438,7 @@ class Gateway:
                 "uptime_s": round(time.time() - counters.started_at, 1),
             },
             "supervisor": self.failover.deaths.report() if self.failover.deaths else {},
-            "migration": self.migration.state() if self.migration else {"mode": "off"},
+            "migration": self.migration_state(),
             "instances": instances,
         }
 
@@ -445,6 +448,11 @@ class Gateway:
             state.update(await self.extra_info())
         return web.json_response(state)
 
+    def migration_state(self) -> dict[str, Any]:
+        if self.migration is not None:
+            return self.migration.state()
+        return self.fixed_migration or {"mode": "off"}
+
     async def handle_migration(self, request: web.Request) -> web.Response:
         """``--migration``'s state and admin calls: see :mod:`banaserve.cluster.migration_loop`."""
         if self.migration is not None and request.method == "POST":
@@ -453,8 +461,11 @@ class Gateway:
             return await self.migration.handle_get(request)
         if request.method == "POST":
             message = "migration is off: start the cluster with --migration role"
+            if self.fixed_migration is not None:
+                message = ("the layer boundary is fixed at start (--pp-layer-boundary): moving "
+                           "it at run time is not implemented yet")  # fmt: skip
             return web.json_response({"message": message}, status=409)
-        return web.json_response({"mode": "off"})
+        return web.json_response(self.migration_state())
 
     async def handle_metrics(self, _: web.Request) -> web.Response:
         return web.Response(

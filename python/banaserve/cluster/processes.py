@@ -47,7 +47,7 @@ def instance_argv(spec: InstanceSpec, launch_argv: Sequence[str]) -> list[str]:
     """``launch_server`` for one instance, pinned with ``taskset`` when it has cores."""
     argv = [
         sys.executable, "-m", "banaserve.launch_server", *launch_argv,
-        "--host", "127.0.0.1", "--port", str(spec.port),
+        "--host", "127.0.0.1", "--port", str(spec.port), *spec.args,
     ]  # fmt: skip
     if spec.cores:
         argv = ["taskset", "-c", ",".join(map(str, spec.cores)), *argv]
@@ -55,7 +55,7 @@ def instance_argv(spec: InstanceSpec, launch_argv: Sequence[str]) -> list[str]:
 
 
 def instance_env(spec: InstanceSpec, base: dict[str, str]) -> dict[str, str]:
-    env = dict(base)
+    env = dict(base, **dict(spec.env))
     if spec.cores and "OMP_NUM_THREADS" not in base:
         # torch starts one thread per visible core otherwise, and pinned cores are few.
         env["OMP_NUM_THREADS"] = str(len(spec.cores))

@@ -30,7 +30,14 @@ from banaserve.cluster.load_board import LoadBoard, poll_forever
 from banaserve.cluster.processes import Child, ClusterProcesses, default_log_dir
 from banaserve.cluster.reaper import Reaper
 from banaserve.cluster.supervisor import Supervisor
-from banaserve.cluster.topology import DECODE, PREFILL, plan_cores, plan_instances
+from banaserve.cluster.topology import (
+    DECODE,
+    PREFILL,
+    layer_layout,
+    lend_decode_layers,
+    plan_cores,
+    plan_instances,
+)
 from banaserve.platform import cpu_platform_wanted
 from banaserve.router.placement import NoStorePlacer, Placer
 from banaserve.server.cli import (
@@ -43,6 +50,7 @@ from banaserve.server.cli import (
 )
 from banaserve.server.kv_pool_sizing import available_memory_bytes, size_kv_pool
 from banaserve.server.memory_plan import MemoryPlan, host_pool_ratio, plan_memory
+from banaserve.server.pipeline_options import BOUNDARY_FLAG, lending_split
 from banaserve.server.request_limits import ModelLimits
 from banaserve.server.store_options import KvStoreOptions
 from banaserve.utils.processes import ChildFailed, ManagedProcess, exit_on_sigterm, free_port
@@ -106,8 +114,9 @@ def run_cluster(
     store: KvStoreOptions | None, model_path: str,
 ) -> None:  # fmt: skip
     """Run the cluster until Ctrl-C/SIGTERM (``store`` None: with no KV store at all); raise
-    ChildFailed when start-up fails and MemoryPlanError, before starting anything, when the
-    plan does not fit in host memory."""
+    ChildFailed when start-up fails, and before starting anything MemoryPlanError when the
+    plan does not fit in host memory and ValueError when the layout cannot be made (no core
+    to lend a decode instance's layers to)."""
     from banaserve.kvstore import TOKEN_ENV
     from banaserve.server.store_start import start_store
 
@@ -117,6 +126,17 @@ def run_cluster(
     if memory is not None:
         logger.info("memory plan: %s", memory.describe())
         memory.check()
+    # Before anything starts: a layout that cannot work fails here (ValueError).
+    cores = plan_cores(count, sorted(os.sched_getaffinity(0))) if options.cpu_affinity else None
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    specs = plan_instances(options.num_prefill, options.num_decode, sorted(ports), cores)
+    fixed_migration = None
+    if options.migration == "layer":
+        split = lending_split(args.pp_layer_boundary, args.pp_size, Path(model_path))
+        specs = lend_decode_layers(specs, split)
+        fixed_migration = layer_layout(specs, split)
     log_dir = Path(options.log_dir) if options.log_dir else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     logger.info("cluster logs in %s", log_dir)
@@ -134,14 +154,11 @@ def run_cluster(
             ledger.add_session(store_process.pid)
             logger.info("embedded KV store at %s (pid %d)", urls[0], store_process.pid)
         processes = ClusterProcesses(log_dir, store_process)
-        cores = plan_cores(count, sorted(os.sched_getaffinity(0))) if options.cpu_affinity else None
-        ports: set[int] = set()
-        while len(ports) < count:
-            ports.add(free_port())
-        specs = plan_instances(options.num_prefill, options.num_decode, sorted(ports), cores)
         launch = instance_launch_argv(
             argv, store, urls, model_path, count, args.kv_pool_memory_fraction
         )
+        if fixed_migration is not None:
+            launch = drop_flags(launch, (BOUNDARY_FLAG,), ())  # the decode instances' alone
         env = dict(os.environ)
         if token:
             env[TOKEN_ENV] = token
@@ -153,7 +170,7 @@ def run_cluster(
         asyncio.run(
             serve_gateway(
                 processes, specs, options, urls, token, model_path,
-                args.host or "127.0.0.1", args.port or 30000, ledger,
+                args.host or "127.0.0.1", args.port or 30000, ledger, fixed_migration,
             )
         )  # fmt: skip
     finally:
@@ -196,6 +213,7 @@ async def model_limits(
 async def serve_gateway(
     processes: ClusterProcesses, specs: list[Any], options: ClusterOptions, urls: list[str],
     token: str | None, model_path: str, host: str, port: int, ledger: LeftoverLedger,
+    fixed_migration: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
     import aiohttp
 
@@ -244,6 +262,7 @@ async def serve_gateway(
         supervisor,
         clear_store=store_client.clear if store_client is not None else None,
         migration=migration,
+        fixed_migration=fixed_migration,
     )
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 
 from banaserve.router.base import Role
+from banaserve.server.pipeline_options import BOUNDARY_FLAG, THREADS_BIND_ENV, LayerSplit
 
 PREFILL, DECODE = Role.PREFILL, Role.DECODE
 
 
 @dataclass(frozen=True)
 class InstanceSpec:
-    """One SGLang instance of the cluster. ``cores`` is empty when it is not pinned."""
+    """One SGLang instance of the cluster. ``cores`` is empty when it is not pinned.
+    ``args`` and ``env`` are this instance's own additions to the launch flags and the
+    environment every instance gets."""
 
     name: str
     role: str
     port: int
     cores: tuple[int, ...] = ()
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def url(self) -> str:
@@ -55,3 +62,56 @@ def plan_instances(
         counts[role] += 1
         specs.append(InstanceSpec(name, role, ports[i], cores[i] if cores else ()))
     return specs
+
+
+def lend_decode_layers(specs: list[InstanceSpec], split: LayerSplit) -> list[InstanceSpec]:
+    """``--migration layer``'s layout: each decode instance runs as two pipeline stages,
+    layers [0, k) on its own cores and [k, L) on the cores of a prefill instance that has
+    cores to itself (with 2 prefill + 1 decode on two cores: prefill-1's core 1), so decode
+    work reaches a core that prefills leave idle. Stage 0 stays on the decode instance's own
+    cores (``SGLANG_CPU_OMP_THREADS_BIND`` set in that order, which the instance's launcher
+    keeps). Unpinned instances only become two-stage.
+
+    Raises ValueError when a pinned decode instance finds no prefill instance to lend it a
+    core of its own.
+    """
+    uses = Counter(core for spec in specs for core in spec.cores)
+    lenders = [
+        s for s in specs if s.role == PREFILL and s.cores and all(uses[c] == 1 for c in s.cores)
+    ]
+    flags = ("--pp-size", "2", BOUNDARY_FLAG, str(split.boundary))
+    out = []
+    for spec in specs:
+        if spec.role != DECODE:
+            out.append(spec)
+            continue
+        if not spec.cores:
+            out.append(dataclasses.replace(spec, args=spec.args + flags))
+            continue
+        if not lenders:
+            raise ValueError(
+                f"--migration layer: {spec.name} needs a prefill instance pinned to cores of its "
+                "own to run its later layers on (e.g. --num-prefill 2 --num-decode 1 on 2 cores)"
+            )
+        lender = lenders.pop(0)
+        bind = "|".join(",".join(map(str, cores)) for cores in (spec.cores, lender.cores))
+        out.append(dataclasses.replace(
+            spec, cores=spec.cores + lender.cores, args=spec.args + flags,
+            env=spec.env + ((THREADS_BIND_ENV, bind),),
+        ))  # fmt: skip
+    return out
+
+
+def layer_layout(specs: list[InstanceSpec], split: LayerSplit) -> dict[str, object]:
+    """``--migration layer``'s state for ``/migration`` and ``/cluster``: the boundary, fixed
+    at start, and the cores of each two-stage instance's stages."""
+    stages = {}
+    for spec in specs:
+        bind = dict(spec.env).get(THREADS_BIND_ENV)
+        if spec.role == DECODE and bind is not None:
+            stages[spec.name] = [[int(c) for c in part.split(",")] for part in bind.split("|")]
+    return {
+        "mode": "layer", "controller": "off", "boundary": split.boundary,
+        "num_layers": split.num_layers, "stage_cores": stages, "moves": 0, "bytes_moved": 0,
+        "utilisation": {}, "history": [],
+    }  # fmt: skip

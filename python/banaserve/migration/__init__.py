@@ -4,9 +4,11 @@ load turns.
 ``--migration role`` (:mod:`banaserve.migration.role_controller`): whole instances change role.
 Roles are routing labels, so a move costs no bytes; the controller is pure code over the
 router's load records with an injected clock, run by the gateway
-(:mod:`banaserve.cluster.migration_loop`). Layer-level moves (weights and KV of a block of
-layers) come later.
+(:mod:`banaserve.cluster.migration_loop`). ``--migration layer``: each decode instance runs as
+two pipeline stages, its later layers on a prefill instance's core
+(:func:`banaserve.cluster.topology.lend_decode_layers`), with the boundary fixed at start;
+moving it live (weights and KV of a block of layers) comes next.
 """
 
 #: The ``--migration`` modes (the command line keeps a copy, checked by a test).
-MIGRATION_MODES: tuple[str, ...] = ("off", "role")
+MIGRATION_MODES: tuple[str, ...] = ("off", "role", "layer")

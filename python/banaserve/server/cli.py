@@ -32,7 +32,7 @@ CPU_DEFAULT_DTYPE = "float32"
 #: router here would slow every instance's start-up for a list of names.
 ROUTER_POLICIES = ("load_aware", "cache_aware", "round_robin")
 #: Kept in step with banaserve.migration.MIGRATION_MODES (a test checks), for the same reason.
-MIGRATION_MODES = ("off", "role")
+MIGRATION_MODES = ("off", "role", "layer")
 #: BanaServe flags that take a value / take none; used to rewrite an argv for instances.
 CLUSTER_VALUE_FLAGS = (
     "--num-prefill",
@@ -215,7 +215,10 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         help="Move work between prefill and decode as the load turns: 'role' lets the gateway "
         "change an instance's role (a prefill instance on a core of its own decodes when "
         "long outputs pile up on the decode side, and goes back when prompts pile up), "
-        "watched in GET /migration and steered with POST /migration (default: off).",
+        "watched in GET /migration and steered with POST /migration; 'layer' runs each "
+        "decode instance as two pipeline stages, layers [K, L) on the core of a prefill "
+        "instance that has one to itself (K: --pp-layer-boundary, default L/2; fixed at start "
+        "for now) (default: off).",
     )
     cluster.add_argument(
         "--cluster-log-dir",

@@ -84,13 +84,33 @@ def layer_split(boundary: int | None, pp_size: int, model_dir: Path) -> LayerSpl
     check_boundary_flags(boundary, pp_size)
     if boundary is None:
         return None
-    layers = model_num_layers(model_dir)
+    return checked_split(boundary, model_num_layers(model_dir))
+
+
+def checked_split(boundary: int, layers: int) -> LayerSplit:
+    """``LayerSplit(boundary, layers)``; ValueError (one line) unless 1 <= boundary <= L-1."""
     if not 1 <= boundary <= layers - 1:
         raise ValueError(
             f"{BOUNDARY_FLAG} {boundary} is out of range: the model has {layers} layers, so "
             f"it must be between 1 and {layers - 1}"
         )
     return LayerSplit(boundary, layers)
+
+
+def lending_split(boundary: int | None, pp_size: int, model_dir: Path) -> LayerSplit:
+    """``--migration layer``'s split of each decode instance: ``--pp-layer-boundary``, or the
+    middle layer (a decode instance lends half its layers). The cluster makes the decode
+    instances two-stage itself, so ``--pp-size`` must be left alone. ValueError (one line)
+    otherwise."""
+    if pp_size != 1:
+        raise ValueError(
+            "--migration layer makes each decode instance a two-stage pipeline itself: drop "
+            f"--pp-size {pp_size}"
+        )
+    layers = model_num_layers(model_dir)
+    if layers < 2:
+        raise ValueError(f"--migration layer needs a model of 2 layers or more, got {layers}")
+    return checked_split(layers // 2 if boundary is None else boundary, layers)
 
 
 def threads_bind(ranks: int, cores: Sequence[int]) -> str:

@@ -1,0 +1,120 @@
+"""``--migration layer``'s layout, without starting anything: which cores each decode
+instance's two pipeline stages get, the flags and environment its launcher receives, the
+checks before anything starts, and what ``/migration`` reports. The layout served end to end
+is ``e2e/test_cluster_layer.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from banaserve.cluster.processes import instance_argv, instance_env
+from banaserve.cluster.topology import (
+    DECODE,
+    PREFILL,
+    InstanceSpec,
+    layer_layout,
+    lend_decode_layers,
+    plan_cores,
+    plan_instances,
+)
+from banaserve.launch_server import plan_launch
+from banaserve.server.pipeline_options import THREADS_BIND_ENV, LayerSplit, lending_split
+
+SPLIT = LayerSplit(15, 30)
+PP_FLAGS = ("--pp-size", "2", "--pp-layer-boundary", "15")
+
+
+def pinned(prefill: int, decode: int) -> list[InstanceSpec]:
+    cores = plan_cores(prefill + decode, [0, 1])
+    return plan_instances(prefill, decode, list(range(9000, 9000 + prefill + decode)), cores)
+
+
+def test_the_decode_instance_lends_its_later_layers_to_the_prefill_core_of_its_own() -> None:
+    # 2P+1D on two cores: prefill-0 and decode-0 share core 0; prefill-1 has core 1 alone.
+    specs = lend_decode_layers(pinned(2, 1), SPLIT)
+    prefill_0, prefill_1, decode_0 = specs
+    assert (prefill_0.cores, prefill_1.cores) == ((0,), (1,))
+    assert (prefill_0.args, prefill_1.args, prefill_0.env) == ((), (), ())
+    assert decode_0.cores == (0, 1) and decode_0.args == PP_FLAGS
+    assert dict(decode_0.env) == {THREADS_BIND_ENV: "0|1"}  # stage 0 on its own core
+    argv = instance_argv(decode_0, ["--model-path", "m"])
+    assert argv[:3] == ["taskset", "-c", "0,1"] and argv[-4:] == list(PP_FLAGS)
+    env = instance_env(decode_0, {"PATH": "/bin"})
+    assert env[THREADS_BIND_ENV] == "0|1" and env["PATH"] == "/bin"
+    layout = layer_layout(specs, SPLIT)
+    assert layout["stage_cores"] == {"decode-0": [[0], [1]]}
+    assert (layout["mode"], layout["boundary"], layout["num_layers"]) == ("layer", 15, 30)
+
+
+def test_stage_zero_stays_on_the_decode_instances_own_core() -> None:
+    # 1P+1D: prefill-0 on core 0, decode-0 on core 1; stage 1 goes to core 0.
+    decode_0 = lend_decode_layers(pinned(1, 1), SPLIT)[1]
+    assert decode_0.cores == (1, 0) and dict(decode_0.env) == {THREADS_BIND_ENV: "1|0"}
+
+
+def test_unpinned_decode_instances_only_become_two_stage() -> None:
+    specs = [InstanceSpec("prefill-0", PREFILL, 1), InstanceSpec("decode-0", DECODE, 2)]
+    decode_0 = lend_decode_layers(specs, SPLIT)[1]
+    assert (decode_0.cores, decode_0.args, decode_0.env) == ((), PP_FLAGS, ())
+
+
+def test_no_prefill_core_to_lend_is_a_clear_error() -> None:
+    # 1P+2D on two cores: prefill-0 shares core 0 with decode-1.
+    with pytest.raises(ValueError, match="decode-0 needs a prefill instance pinned to cores"):
+        lend_decode_layers(pinned(1, 2), SPLIT)
+
+
+def test_the_split_defaults_to_the_middle_and_is_checked(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
+    assert lending_split(None, 1, tmp_path) == LayerSplit(15, 30)
+    assert lending_split(24, 1, tmp_path) == LayerSplit(24, 30)
+    with pytest.raises(ValueError, match="drop --pp-size 2"):
+        lending_split(None, 2, tmp_path)
+    with pytest.raises(ValueError, match="must be between 1 and 29"):
+        lending_split(30, 1, tmp_path)
+
+
+def test_the_launcher_checks_layer_mode_before_starting_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BANASERVE_PLATFORM", "cpu")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "hidden_size": 128, "torch_dtype": "float32"}))  # fmt: skip
+    cluster = ["--model-path", str(tmp_path), "--num-prefill", "2", "--num-decode", "1",
+               "--migration", "layer"]  # fmt: skip
+    plan = plan_launch([*cluster, "--pp-layer-boundary", "3"])
+    assert "decode instances lend layers [3, 8)" in plan.notes
+    assert plan.cluster is not None and plan.cluster.migration == "layer"
+    for bad, message in [(["--pp-size", "2"], "drop --pp-size 2"),
+                         (["--pp-layer-boundary", "8"], "must be between 1 and 7")]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            plan_launch([*cluster, *bad])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_migration_reports_the_fixed_layout_and_refuses_moves() -> None:
+    from support.gateway import gateway_for, post
+
+    specs = lend_decode_layers(pinned(2, 1), SPLIT)
+
+    async def scenario() -> tuple:
+        async with gateway_for(specs, fixed_migration=layer_layout(specs, SPLIT)) as url:
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{url}/migration") as answer:
+                    state = await answer.json()
+                async with session.get(f"{url}/metrics") as answer:
+                    metrics = await answer.text()
+            refused = await post(f"{url}/migration", {"controller": "on"})
+        return state, metrics, refused
+
+    state, metrics, (status, text) = asyncio.run(scenario())
+    assert state["mode"] == "layer" and state["stage_cores"] == {"decode-0": [[0], [1]]}
+    assert "banaserve_migration_moves_total 0" in metrics
+    assert status == 409 and "fixed at start" in text
