@@ -59,7 +59,9 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             ours.kv_store = KV_STORE_EMBEDDED  # its own store, unless told --kv-store none
         kv_store = KvStoreOptions.from_args(ours)
         request_limits = request_limits_from_args(ours)
-        if cluster is None or cluster.migration != "layer":
+        # --migration layer makes the decode instances two-stage itself (lending_split below).
+        lends_layers = cluster is not None and cluster.migration == "layer"
+        if not lends_layers:
             check_boundary_flags(ours.pp_layer_boundary, args.pp_size)  # before any conversion
     except ValueError as exc:
         parser.error(str(exc))
@@ -113,7 +115,7 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             )
         notes.append("no NVIDIA driver: SGLang CPU engine")
     try:
-        if cluster is not None and cluster.migration == "layer":
+        if lends_layers:
             split = lending_split(ours.pp_layer_boundary, args.pp_size, Path(model_path))
             notes.append(f"decode instances lend layers [{split.boundary}, {split.num_layers})")
             env = {}

@@ -6,18 +6,16 @@ direct requests, streaming too). The layout's unit tests are ``unit/test_layer_l
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import requests
 
 from support.cluster import Cluster, generate, long_prompt, running_cluster, streamed_generate
 from support.servers import Server
+from support.stages import stage_processes, thread_masks
 
 #: More than --in-place-max-new-tokens (16): served by the decode instance only.
 LONG_OUT = {"temperature": 0.0, "max_new_tokens": 24}
@@ -58,16 +56,8 @@ def test_the_layout_is_reported_and_the_stages_are_pinned(cluster: Cluster) -> N
     assert refused.status_code == 409 and "fixed at start" in refused.text
     decode = cluster.instance("decode-0")
     assert decode["cores"] == [0, 1] and "--pp-layer-boundary" in decode["args"]
-    pid = cluster.state()["pids"]["decode-0"]
-    stages = {}
-    for child in psutil.Process(pid).children(recursive=True):
-        match = re.match(r"sglang::scheduler_PP(\d)", " ".join(child.cmdline()))
-        if match:
-            stages[int(match.group(1))] = child
+    stages = stage_processes(cluster.state()["pids"]["decode-0"])
     assert sorted(stages) == [0, 1]
     for rank, process in stages.items():
-        masks = set()
-        for thread in process.threads():
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                masks.add(frozenset(os.sched_getaffinity(thread.id)))
+        masks = thread_masks(process)
         assert masks == {frozenset({rank})}, (rank, masks)

@@ -9,14 +9,12 @@ one OpenMP thread each (``support.servers``), which bit-exactness needs.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import requests
 
@@ -24,6 +22,7 @@ from banaserve.models import build_tiny_model
 from banaserve.models.tiny import TinySpec
 from banaserve.server.pipeline_options import threads_bind
 from support.servers import Server, start_server
+from support.stages import stage_processes, thread_masks
 
 LAYERS = 8
 BOUNDARY = 3
@@ -117,18 +116,6 @@ def test_each_stage_holds_the_layers_it_was_given(
         assert k_gib == f"{tokens * k_bytes_per_token_layer * layers / 2**30:.2f}", sizes
 
 
-def stage_processes(server: Server) -> dict[int, psutil.Process]:
-    """The server's pipeline stage processes by rank (SGLang titles them
-    ``sglang::scheduler_PP<rank>``)."""
-    stages = {}
-    for child in psutil.Process(server.process.pid).children(recursive=True):
-        title = " ".join(child.cmdline())
-        match = re.match(r"sglang::scheduler_PP(\d)", title)
-        if match:
-            stages[int(match.group(1))] = child
-    return stages
-
-
 def test_each_stage_runs_on_its_own_core(servers: tuple[Server, Server]) -> None:
     """SGLang binds a rank's threads only with its AMX kernels; BanaServe's platform pins each
     stage process (every thread) to its entry of SGLANG_CPU_OMP_THREADS_BIND, which the
@@ -137,15 +124,12 @@ def test_each_stage_runs_on_its_own_core(servers: tuple[Server, Server]) -> None
     if len(cores) < 2:
         pytest.skip("one core: both stages share it")
     _, split = servers
-    stages = stage_processes(split)
+    stages = stage_processes(split.process.pid)
     assert sorted(stages) == [0, 1], [" ".join(p.cmdline()) for p in stages.values()]
     expected = threads_bind(2, cores).split("|")
     for rank, process in stages.items():
         want = {int(core) for core in expected[rank].split(",")}
-        masks = set()
-        for thread in process.threads():
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                masks.add(frozenset(os.sched_getaffinity(thread.id)))
+        masks = thread_masks(process)
         assert masks == {frozenset(want)}, (rank, masks)
 
 

@@ -7,7 +7,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from banaserve.router.base import Role
-from banaserve.server.pipeline_options import BOUNDARY_FLAG, THREADS_BIND_ENV, LayerSplit
+from banaserve.server.pipeline_options import (
+    BOUNDARY_FLAG,
+    BOUNDARY_PP_SIZE,
+    THREADS_BIND_ENV,
+    LayerSplit,
+)
 
 PREFILL, DECODE = Role.PREFILL, Role.DECODE
 
@@ -79,7 +84,7 @@ def lend_decode_layers(specs: list[InstanceSpec], split: LayerSplit) -> list[Ins
     lenders = [
         s for s in specs if s.role == PREFILL and s.cores and all(uses[c] == 1 for c in s.cores)
     ]
-    flags = ("--pp-size", "2", BOUNDARY_FLAG, str(split.boundary))
+    flags = ("--pp-size", str(BOUNDARY_PP_SIZE), BOUNDARY_FLAG, str(split.boundary))
     out = []
     for spec in specs:
         if spec.role != DECODE:
