@@ -24,6 +24,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +39,8 @@ from banaserve.utils.processes import ManagedProcess, free_port
 REPO = Path(__file__).resolve().parents[1]
 NUM_PREFILL, NUM_DECODE = 2, 1
 START_TIMEOUT_S = 900.0
+#: Seconds a refused cache flush is retried (:func:`post_until_done`).
+FLUSH_RETRY_S = 30.0
 #: SGLang's page size on every system (BanaServe's store pages follow it).
 PAGE_SIZE = 16
 #: ``--in-place-max-new-tokens`` that admits every request anywhere (longer than any output).
@@ -146,10 +150,25 @@ def post(url: str, timeout: float = 120.0) -> bytes:
         return response.read()
 
 
+def post_until_done(url: str) -> bytes:
+    """``post`` a cache flush, again each second for :data:`FLUSH_RETRY_S` while it is refused:
+    SGLang flushes only an idle instance, and right after a run's last answer an instance may
+    still count a request as pending (seen: "Cache not flushed because there are pending
+    requests. #queue-req: 0, #running-req: 0")."""
+    deadline = time.monotonic() + FLUSH_RETRY_S
+    while True:
+        try:
+            return post(url)
+        except urllib.error.HTTPError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(1.0)
+
+
 def flush_instances(urls: list[str], l3: bool = False) -> None:
     """Flush each instance's radix cache (and host pool); with ``l3`` its HiCache storage too."""
     for url in urls:
-        post(f"{url}/flush_cache")
+        post_until_done(f"{url}/flush_cache")
         if l3:
             post(f"{url}/hicache/storage-backend/clear")
 
@@ -157,7 +176,7 @@ def flush_instances(urls: list[str], l3: bool = False) -> None:
 def clear_banaserve(url: str, migrates: bool) -> None:
     """Every cache of the cluster cold, and with migration every instance back in its home
     role: a workload must not start where the last one left the roles."""
-    post(f"{url}/clear_caches")
+    post_until_done(f"{url}/clear_caches")
     if migrates:
         request = urllib.request.Request(
             f"{url}/migration", data=b'{"reset": true}', method="POST",

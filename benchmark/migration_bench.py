@@ -106,9 +106,16 @@ def measure(spec: SystemSpec, args: argparse.Namespace, requests: list, budget: 
     print(f"[migration] starting {spec.name}", flush=True)
     with start_system(spec, args.model, budget, out, pin=True) as running:
         for i in range(args.repeat):
-            running.clear()
-            warm_up(running)
-            running.clear()
+            try:
+                running.clear()
+                warm_up(running)
+                running.clear()
+            except OSError as exc:  # urllib's HTTPError too: keep the runs made so far
+                print(f"[migration] {spec.name}: clearing before run {i + 1} failed ({exc}); "
+                      f"{len(runs)} of {args.repeat} runs kept", flush=True)  # fmt: skip
+                if not runs:
+                    raise
+                break
             migrates = "role" in spec.extra  # clear() put every instance home
             before = get_json(f"{running.url}/migration") if migrates else {}
             outcomes, duration, timeline = asyncio.run(one_run(running.url, requests, ours))
@@ -123,6 +130,7 @@ def measure(spec: SystemSpec, args: argparse.Namespace, requests: list, budget: 
             runs.append({"summary": asdict(summary), "timeline": timeline})
     runs.sort(key=lambda r: r["summary"]["throughput"])
     median = runs[len(runs) // 2]
+    median["runs"] = len(runs)
     if median["summary"]["failed"]:
         median["error"] = f"{median['summary']['failed']} requests failed"
     return median
@@ -136,7 +144,7 @@ def report(rows: dict[str, dict], load: tuple[str, str]) -> str:
     print(f"\nSmolLM2-135M fp32, 1 core per instance; SLO TTFT <= {SLO.ttft_s:g} s, TPOT <= "
           f"{SLO.tpot_s:g} s; load average before {load[0]}, after {load[1]}")  # fmt: skip
     print(f"{'system':<24}{'req/s':>7}{'goodput':>9}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}"
-          f"{'p99':>8}{'moves':>7}{'failed':>7}")  # fmt: skip
+          f"{'p99':>8}{'moves':>7}{'failed':>7}{'runs':>6}")  # fmt: skip
     for name, row in rows.items():
         if "summary" not in row:
             print(f"{name:<24} {row.get('error', 'no result')}")
@@ -144,7 +152,7 @@ def report(rows: dict[str, dict], load: tuple[str, str]) -> str:
         s = Summary(**row["summary"])
         print(f"{name:<24}{s.throughput:>7.3f}{s.goodput:>9.3f}{s.ttft_p50:>10.2f}"
               f"{s.ttft_p99:>8.2f}{s.tpot_p50:>10.3f}{s.tpot_p99:>8.3f}{s.moves:>7}"
-              f"{s.failed:>7}")  # fmt: skip
+              f"{s.failed:>7}{row.get('runs', 1):>6}")  # fmt: skip
     nan = float("nan")
 
     def get(name: str, key: str) -> float:
@@ -243,8 +251,9 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - one broken system must not sink the others
             print(f"[migration] {spec.name} failed: {exc}", flush=True)
             rows[spec.name] = {"error": str(exc)}
+        # After each system, so a run stopped early keeps what it measured.
+        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.out / "timeline.png")
     print(report(rows, (load_before, load_after)))
 

@@ -1,24 +1,38 @@
 """``--migration layer`` on a real 2P+1D cluster pinned to two cores: the decode instance runs
 as two pipeline stages, layers [0, 1) of the tiny model on its own core 0 and [1, 2) on
 prefill-1's core 1, and still answers token for token like one plain instance (handed-off and
-direct requests, streaming too). The layout's unit tests are ``unit/test_layer_lending.py``.
+direct requests, streaming too). When a stage dies mid-generation, its requests end with a
+clear error, the cluster keeps serving, and the instance comes back whole on its own core
+(boundary L). The layout's unit tests are ``unit/test_layer_lending.py``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
 
-from support.cluster import Cluster, generate, long_prompt, running_cluster, streamed_generate
+from support.cluster import (
+    Cluster,
+    generate,
+    long_prompt,
+    running_cluster,
+    streamed_generate,
+    wait_all_running,
+)
 from support.servers import Server
 from support.stages import stage_processes, thread_masks
 
 #: More than --in-place-max-new-tokens (16): served by the decode instance only.
 LONG_OUT = {"temperature": 0.0, "max_new_tokens": 24}
+#: Long enough that a stage killed after the first token finds the streams mid-generation.
+SLOW_OUT = {"temperature": 0.0, "max_new_tokens": 1500, "ignore_eos": True}
 
 pytestmark = pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="the layout lends a second core"
@@ -61,3 +75,54 @@ def test_the_layout_is_reported_and_the_stages_are_pinned(cluster: Cluster) -> N
     for rank, process in stages.items():
         masks = thread_masks(process)
         assert masks == {frozenset({rank})}, (rank, masks)
+
+
+def stream_events(url: str, prompt: str, started: threading.Semaphore) -> list[dict]:
+    """Every ``data:`` event of a streamed greedy ``/generate`` (``started`` released at the
+    first)."""
+    body = {"text": prompt, "sampling_params": SLOW_OUT, "stream": True}
+    events = []
+    with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as answer:
+        assert answer.status_code == 200, answer.text
+        for line in answer.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                events.append(json.loads(line[5:]))
+                if len(events) == 1:
+                    started.release()
+    return events
+
+
+# Last in this module: it leaves decode-0 restarted as one stage.
+def test_a_killed_stage_ends_its_requests_clearly_and_the_instance_comes_back_whole(
+    cluster: Cluster, server: Server
+) -> None:
+    prompts = [f"Story number {i}: once upon a time" for i in range(4)]
+    stage_1 = stage_processes(cluster.state()["pids"]["decode-0"])[1]
+    started = threading.Semaphore(0)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        streams = [pool.submit(stream_events, cluster.url, p, started) for p in prompts]
+        for _ in prompts:  # every stream is generating
+            assert started.acquire(timeout=120), "a stream did not start"
+        stage_1.kill()  # the stage on the borrowed core 1
+        results = [stream.result(timeout=300) for stream in streams]
+    for events in results:  # each was cut mid-generation, and says so
+        assert "error" in events[-1], events[-1]
+        assert "failed mid-stream" in events[-1]["error"]["message"], events[-1]
+        assert 1 <= len(events) - 1 < SLOW_OUT["max_new_tokens"]
+    # The cluster keeps serving while decode-0 restarts (prefill instances decode meanwhile).
+    prompt = "A quiet river"
+    expected = generate(server.url, prompt, sampling_params=LONG_OUT)["output_ids"]
+    assert generate(cluster.url, prompt, sampling_params=LONG_OUT)["output_ids"] == expected
+
+    wait_all_running(cluster)
+    decode = cluster.instance("decode-0")
+    assert decode["cores"] == [0] and "--pp-layer-boundary" not in decode["args"]
+    assert stage_processes(cluster.state()["pids"]["decode-0"]) == {}  # one stage, not PP
+    state = requests.get(f"{cluster.url}/migration", timeout=30).json()
+    assert state["boundaries"] == {"decode-0": 2} and state["stage_cores"] == {"decode-0": [[0]]}
+    assert state["history"][-1]["reason"].startswith("the instance died")
+    before = decode["routed"]
+    for prompt in ["The quick brown fox", long_prompt(seed=708)]:
+        expected = generate(server.url, prompt, sampling_params=LONG_OUT)["output_ids"]
+        assert generate(cluster.url, prompt, sampling_params=LONG_OUT)["output_ids"] == expected
+    assert cluster.instance("decode-0")["routed"] > before  # served by decode-0 again

@@ -21,12 +21,16 @@ import pytest
 import requests
 
 from banaserve.platform.fault_injection import CRASH_ON_TEXT_ENV
-from support.cluster import Cluster, generate, running_cluster
+from support.cluster import (
+    RESTART_TIMEOUT_S,
+    Cluster,
+    generate,
+    running_cluster,
+    wait_all_running,
+)
 from support.servers import Server
 
 PILL = "POISON-PILL-FOR-THE-TEST"
-#: The instance restarts the supervisor runs here take 40-90 s each on 2 loaded cores.
-RESTART_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +50,6 @@ def wait_death_seen(cluster: Cluster, name: str, deaths_before: int) -> None:
     while cluster.state()["supervisor"][name]["deaths"] == deaths_before:
         assert time.monotonic() < deadline, cluster.state()["supervisor"]
         time.sleep(0.2)
-
-
-def wait_all_running(cluster: Cluster) -> None:
-    deadline = time.monotonic() + RESTART_TIMEOUT_S
-    while True:
-        state = cluster.state()
-        if all(s["state"] == "running" for s in state["supervisor"].values()) and all(
-            i["load"]["healthy"] for i in state["instances"]
-        ):
-            return
-        assert time.monotonic() < deadline, state["supervisor"]
-        time.sleep(1)
 
 
 def test_out_of_vocabulary_ids_are_refused_and_nothing_dies(cluster: Cluster) -> None:

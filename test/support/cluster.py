@@ -6,6 +6,7 @@ import json
 import os
 import random
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -63,6 +64,23 @@ def running_cluster(
         process.stop(grace=60)
 
 
+#: The instance restarts the supervisor runs here take 40-90 s each on 2 loaded cores.
+RESTART_TIMEOUT_S = 240
+
+
+def wait_all_running(cluster: Cluster) -> None:
+    """Until every child runs (restarted ones too) and every instance is in routing."""
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while True:
+        state = cluster.state()
+        if all(s["state"] == "running" for s in state["supervisor"].values()) and all(
+            i["load"]["healthy"] for i in state["instances"]
+        ):
+            return
+        assert time.monotonic() < deadline, state["supervisor"]
+        time.sleep(1)
+
+
 def long_prompt(seed: int, words: int = 400) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(VOCAB) for _ in range(words))
@@ -90,8 +108,13 @@ def streamed_generate(url: str, text: str, sampling_params: dict | None = None) 
 def check_a_burst_computes_a_shared_prefix_once(
     cluster: Cluster, seed: int, *, every_request_hits: bool = True
 ) -> None:
-    """8 requests sharing a new prefix at once, spread over both prefill instances: the cluster
-    computes the prefix once and (``every_request_hits``) every request finds it cached."""
+    """8 requests sharing a new prefix at once, spread over the instances: the cluster
+    computes the prefix once and (``every_request_hits``) every request finds it cached.
+
+    Which instances serve the direct requests is the router's choice (core-aware: in 2P+1D
+    on two cores prefill-0 and decode-0 share core 0, so a burst may never reach prefill-0);
+    what matters is that more than one instance served the prefix, so the bound below fails
+    whenever each of them computes it itself."""
     prefix = long_prompt(seed=seed, words=500)
     prompts = [f"{prefix} question {i}: what comes next?" for i in range(8)]
     before = {i["name"]: i for i in cluster.state()["instances"]}
@@ -103,8 +126,8 @@ def check_a_burst_computes_a_shared_prefix_once(
         return after[name][key] - before[name][key]
 
     prompt_tokens = results[0]["meta_info"]["prompt_tokens"]
-    prefills = ["prefill-0", "prefill-1"]
-    assert all(delta(name, "routed") >= 1 for name in prefills), after  # spread over both
+    served = [name for name in after if delta(name, "routed") >= 1]
+    assert len(served) >= 2, after
     computed = sum(delta(name, "computed_prompt_tokens") for name in after)
     # Once the prefix (about prompt_tokens) plus each request's own tail (at most two pages
     # each, on the prefill and on the decode side): without coalescing, each prefill

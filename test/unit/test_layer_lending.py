@@ -20,8 +20,10 @@ from banaserve.cluster.topology import (
     lend_decode_layers,
     plan_cores,
     plan_instances,
+    record_fallback,
 )
 from banaserve.launch_server import plan_launch
+from banaserve.router.load import InstanceLoad
 from banaserve.server.pipeline_options import THREADS_BIND_ENV, LayerSplit, lending_split
 
 SPLIT = LayerSplit(15, 30)
@@ -48,6 +50,9 @@ def test_the_decode_instance_lends_its_later_layers_to_the_prefill_core_of_its_o
     layout = layer_layout(specs, SPLIT)
     assert layout["stage_cores"] == {"decode-0": [[0], [1]]}
     assert (layout["mode"], layout["boundary"], layout["num_layers"]) == ("layer", 15, 30)
+    assert layout["boundaries"] == {"decode-0": 15}
+    # Restarted, it runs whole on its own core.
+    assert decode_0.unsplit == pinned(2, 1)[2] and decode_0.unsplit.unsplit is None
 
 
 def test_stage_zero_stays_on_the_decode_instances_own_core() -> None:
@@ -118,3 +123,52 @@ def test_migration_reports_the_fixed_layout_and_refuses_moves() -> None:
     assert state["mode"] == "layer" and state["stage_cores"] == {"decode-0": [[0], [1]]}
     assert "banaserve_migration_moves_total 0" in metrics
     assert status == 409 and "fixed at start" in text
+
+
+def test_an_instance_that_died_comes_back_whole_on_its_own_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from banaserve.cluster import processes as cluster_processes
+    from banaserve.router.board import Board
+
+    class Run:
+        """A run that has ended (unit tests start no processes)."""
+
+        def __init__(self, name: str, argv: list[str], log_path: Path,
+                     env: dict[str, str] | None = None) -> None:  # fmt: skip
+            self.name, self.argv, self.log_path, self.env = name, argv, log_path, env or {}
+            self.stopped = False
+
+        def alive(self) -> bool:
+            return False
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    monkeypatch.setattr(cluster_processes, "ManagedProcess", Run)
+    specs = lend_decode_layers(pinned(2, 1), SPLIT)
+    prefill_0, prefill_1, split = specs
+    board = Board(specs)
+    processes = cluster_processes.ClusterProcesses(tmp_path)
+    processes._launch_argv, processes._env = ["--model-path", "m"], {"PATH": "/bin"}
+    ended = Run(split.name, ["old"], tmp_path / "decode-0.log")
+    child = cluster_processes.Child(split.name, ended, split)  # type: ignore[arg-type]
+    again = processes.respawn(child)
+    assert ended.stopped and child.spec == split.unsplit and child.spec.cores == (0,)
+    assert again.argv[:3] == ["taskset", "-c", "0"]
+    assert "--pp-layer-boundary" not in again.argv and THREADS_BIND_ENV not in again.env
+    assert again.log_path == ended.log_path
+    # The board's core neighbours follow: prefill-1 has core 1 to itself again.
+    loads = {url: InstanceLoad(url, spec.role, running_reqs=2) for url, spec in
+             ((s.url, s) for s in specs)}  # fmt: skip
+    board.loads.update(loads)
+    before = {c.url: c.core_peer_reqs for c in board.candidates(PREFILL)}
+    board.replace_spec(child.spec)
+    after = {c.url: c.core_peer_reqs for c in board.candidates(PREFILL)}
+    assert before == {prefill_0.url: 2, prefill_1.url: 2}
+    assert after == {prefill_0.url: 2, prefill_1.url: 0}
+    layout = layer_layout(specs, SPLIT)
+    record_fallback(layout, child.spec, at=12.0)
+    assert layout["boundaries"] == {"decode-0": 30}
+    assert layout["stage_cores"] == {"decode-0": [[0]]}
+    assert layout["history"][-1]["from"] == 15 and layout["history"][-1]["to"] == 30

@@ -75,6 +75,8 @@ class ClusterProcesses:
         self.log_dir = log_dir
         self.store = Child(store.name, store) if store is not None else None
         self.instances: list[Child] = []
+        self._launch_argv: list[str] = []
+        self._env: dict[str, str] = {}
         self._lock = threading.Lock()
         self._stopped = False
 
@@ -101,6 +103,7 @@ class ClusterProcesses:
         Raises :class:`ChildFailed` (quoting the failing child's log) when one exits or does
         not become ready within ``timeout``; the caller then calls :meth:`stop`.
         """
+        self._launch_argv, self._env = list(launch_argv), dict(env)
         for spec in specs:
             process = ManagedProcess(
                 spec.name,
@@ -138,6 +141,25 @@ class ClusterProcesses:
         logger.info(
             "%d instances ready after %.0f s", len(self.instances), time.monotonic() - start
         )
+
+    def respawn(self, child: Child) -> ManagedProcess:
+        """A new run of ``child``, which must have exited; the caller owns it. An instance
+        running as two pipeline stages (its spec has ``unsplit``) comes back whole, on its own
+        cores: ``child.spec`` becomes that spec, so a stage on a borrowed core that failed
+        once does not take the instance down again."""
+        spec = child.spec
+        if spec is None or spec.unsplit is None:
+            return child.process.respawn()
+        old = child.process
+        if old.alive():
+            raise RuntimeError(f"{child.name} (pid {old.pid}) is still running")
+        old.stop()  # closes the log; kills whatever the old run left in its group
+        child.spec = spec.unsplit
+        logger.warning("%s restarts whole, as one stage on its own cores (%s): its later "
+                       "layers no longer run on a borrowed core", child.name,
+                       ",".join(map(str, child.spec.cores)) or "unpinned")  # fmt: skip
+        return ManagedProcess(child.name, instance_argv(child.spec, self._launch_argv),
+                              old.log_path, env=instance_env(child.spec, self._env))  # fmt: skip
 
     def _wait_ready(self, instance: Child, timeout: float) -> None:
         took = instance.process.wait_http_ok(

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,12 @@ from banaserve.cluster.supervisor import Supervisor
 from banaserve.cluster.topology import (
     DECODE,
     PREFILL,
+    InstanceSpec,
     layer_layout,
     lend_decode_layers,
     plan_cores,
     plan_instances,
+    record_fallback,
 )
 from banaserve.platform import cpu_platform_wanted
 from banaserve.router.placement import NoStorePlacer, Placer
@@ -239,7 +242,12 @@ async def serve_gateway(
         async with gateway.session.get(f"{child.url}/health", timeout=ready_timeout) as r:
             return r.status == 200
 
-    supervisor = Supervisor(processes, board, ready, options.restart_policy, ledger)
+    def respecced(spec: InstanceSpec) -> None:
+        if fixed_migration is not None:
+            record_fallback(fixed_migration, spec, time.monotonic())
+
+    supervisor = Supervisor(processes, board, ready, options.restart_policy, ledger,
+                            on_respecced=respecced)  # fmt: skip
 
     async def extra_info() -> dict[str, Any]:
         stats = await asyncio.to_thread(store_client.stats) if store_client else None

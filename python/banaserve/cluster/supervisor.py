@@ -30,6 +30,7 @@ from banaserve.cluster.leftovers import LeftoverLedger
 from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.processes import START_TIMEOUT_S, Child, ClusterProcesses
 from banaserve.cluster.restart_policy import RestartPolicy
+from banaserve.cluster.topology import InstanceSpec
 from banaserve.utils.processes import tail
 
 logger = logging.getLogger("banaserve.cluster")
@@ -46,6 +47,9 @@ SGLANG_CRASH_MARKERS = (
 DEATHS_KEPT = 16
 
 ReadyCheck = Callable[[Child], Awaitable[bool]]
+#: Called with an instance's spec when it restarts as a different one (a two-stage instance
+#: coming back whole: :meth:`ClusterProcesses.respawn`).
+Respecced = Callable[[InstanceSpec], None]
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ class Supervisor:
         ledger: LeftoverLedger | None = None,
         clock: Callable[[], float] = time.monotonic,
         start_timeout_s: float = START_TIMEOUT_S,
+        on_respecced: Respecced | None = None,
     ) -> None:
         self.processes = processes
         self.board = board
@@ -116,6 +121,7 @@ class Supervisor:
         self.ledger = ledger
         self.clock = clock
         self.start_timeout_s = start_timeout_s
+        self.on_respecced = on_respecced
         self.states = {child.name: ChildState() for child in processes.children}
         for state in self.states.values():
             state.back.set()
@@ -176,7 +182,12 @@ class Supervisor:
         return death
 
     def _restart(self, child: Child, state: ChildState, now: float) -> None:
-        child.process = child.process.respawn()
+        spec = child.spec
+        child.process = self.processes.respawn(child)
+        if child.spec is not None and child.spec is not spec:
+            self.board.replace_spec(child.spec)
+            if self.on_respecced is not None:
+                self.on_respecced(child.spec)
         state.restarts.append(now)
         state.phase = "starting"
         state.restart_at = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from banaserve.router.base import Role
 from banaserve.server.pipeline_options import (
@@ -21,7 +22,9 @@ PREFILL, DECODE = Role.PREFILL, Role.DECODE
 class InstanceSpec:
     """One SGLang instance of the cluster. ``cores`` is empty when it is not pinned.
     ``args`` and ``env`` are this instance's own additions to the launch flags and the
-    environment every instance gets."""
+    environment every instance gets. ``unsplit`` is set on an instance that runs as two
+    pipeline stages: the same instance whole, on its own cores, as it restarts when it died
+    (a stage on a borrowed core failing takes the instance down with it)."""
 
     name: str
     role: str
@@ -29,6 +32,7 @@ class InstanceSpec:
     cores: tuple[int, ...] = ()
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    unsplit: InstanceSpec | None = None
 
     @property
     def url(self) -> str:
@@ -91,7 +95,7 @@ def lend_decode_layers(specs: list[InstanceSpec], split: LayerSplit) -> list[Ins
             out.append(spec)
             continue
         if not spec.cores:
-            out.append(dataclasses.replace(spec, args=spec.args + flags))
+            out.append(dataclasses.replace(spec, args=spec.args + flags, unsplit=spec))
             continue
         if not lenders:
             raise ValueError(
@@ -102,14 +106,15 @@ def lend_decode_layers(specs: list[InstanceSpec], split: LayerSplit) -> list[Ins
         bind = "|".join(",".join(map(str, cores)) for cores in (spec.cores, lender.cores))
         out.append(dataclasses.replace(
             spec, cores=spec.cores + lender.cores, args=spec.args + flags,
-            env=spec.env + ((THREADS_BIND_ENV, bind),),
+            env=spec.env + ((THREADS_BIND_ENV, bind),), unsplit=spec,
         ))  # fmt: skip
     return out
 
 
-def layer_layout(specs: list[InstanceSpec], split: LayerSplit) -> dict[str, object]:
-    """``--migration layer``'s state for ``/migration`` and ``/cluster``: the boundary, fixed
-    at start, and the cores of each two-stage instance's stages."""
+def layer_layout(specs: list[InstanceSpec], split: LayerSplit) -> dict[str, Any]:
+    """``--migration layer``'s state for ``/migration`` and ``/cluster``: the boundary it
+    started with (``boundary``) and where each two-stage instance's is now (``boundaries``),
+    and the cores of its stages."""
     stages = {}
     for spec in specs:
         bind = dict(spec.env).get(THREADS_BIND_ENV)
@@ -117,6 +122,20 @@ def layer_layout(specs: list[InstanceSpec], split: LayerSplit) -> dict[str, obje
             stages[spec.name] = [[int(c) for c in part.split(",")] for part in bind.split("|")]
     return {
         "mode": "layer", "controller": "off", "boundary": split.boundary,
-        "num_layers": split.num_layers, "stage_cores": stages, "moves": 0, "bytes_moved": 0,
-        "utilisation": {}, "history": [],
+        "num_layers": split.num_layers, "stage_cores": stages,
+        "boundaries": {spec.name: split.boundary for spec in specs if spec.unsplit},
+        "moves": 0, "bytes_moved": 0, "utilisation": {}, "history": [],
     }  # fmt: skip
+
+
+def record_fallback(layout: dict[str, Any], whole: InstanceSpec, at: float) -> None:
+    """``whole`` (an instance's ``unsplit`` spec) now runs as one stage on its own cores:
+    its boundary in ``layout`` (from :func:`layer_layout`) is L, and the history says why."""
+    layers = layout["num_layers"]
+    before = layout["boundaries"].get(whole.name, layers)
+    layout["boundaries"][whole.name] = layers
+    layout["stage_cores"][whole.name] = [list(whole.cores)] if whole.cores else []
+    layout["history"].append({
+        "instance": whole.name, "from": before, "to": layers, "at": round(at, 3),
+        "bytes_moved": 0, "reason": "the instance died: restarted as one stage",
+    })  # fmt: skip

@@ -7,7 +7,10 @@ router's load records with an injected clock, run by the gateway
 (:mod:`banaserve.cluster.migration_loop`). ``--migration layer``: each decode instance runs as
 two pipeline stages, its later layers on a prefill instance's core
 (:func:`banaserve.cluster.topology.lend_decode_layers`), with the boundary fixed at start;
-moving it live (weights and KV of a block of layers) comes next.
+moving it live (weights and KV of a block of layers) comes next. Its controller
+(:mod:`banaserve.migration.layer_controller`, with :mod:`banaserve.migration.arrival_trend`
+for the predictive mode) is pure code over the same load records, in the units of
+:mod:`banaserve.migration.work`.
 """
 
 #: The ``--migration`` modes (the command line keeps a copy, checked by a test).

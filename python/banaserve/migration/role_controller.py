@@ -31,6 +31,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from banaserve.migration.work import (
+    DECODE_FULL_REQS,
+    PREFILL_FULL_REQS,
+    PREFILL_UNIT_TOKENS,
+    work_of,
+)
 from banaserve.router.base import Role
 from banaserve.router.load import InstanceLoad
 
@@ -45,15 +51,12 @@ TAKES = {Role.PREFILL: (Role.PREFILL, Role.MIXED), Role.DECODE: (Role.DECODE, Ro
 class RoleControllerConfig:
     """The controller's knobs; every default is here."""
 
-    #: Decoding requests one core serves at full speed. On a CPU core one: a decode step's time
-    #: grows about in proportion to its batch there (SmolLM2-135M fp32 decodes one request at
-    #: 0.09 s per token, a batch of 4 to 6 at 0.44 s: RESULTS.md, session 7). With 4, as first
-    #: set, the controller read a core holding every long request as half busy and moved late.
-    decode_full_reqs: float = 1.0
-    #: Prefill steps one core computes at once (a CPU core is busy with one).
-    prefill_full_reqs: float = 1.0
+    #: Decoding requests one core serves at full speed (see :mod:`banaserve.migration.work`).
+    decode_full_reqs: float = DECODE_FULL_REQS
+    #: Prefill steps one core computes at once.
+    prefill_full_reqs: float = PREFILL_FULL_REQS
     #: Queued prompt tokens on a mixed instance that count as one prefill step.
-    prefill_unit_tokens: int = 1024
+    prefill_unit_tokens: int = PREFILL_UNIT_TOKENS
     #: Below this peak utilisation nothing moves: an idle cluster stays as it was started.
     #: One core's worth of work: at 0.5 the controller moved on a benchmark's warm-up
     #: request. Smoothed demand only approaches a constant load, so one lone request (1.0 at
@@ -149,7 +152,7 @@ class RoleController:
         alpha = self.config.smoothing
         samples = dict.fromkeys(WORK, 0.0)
         for load in healthy:
-            for work, amount in self._work_of(load).items():
+            for work, amount in work_of(load, self.config.prefill_unit_tokens).items():
                 samples[work] += amount
         for work in WORK:
             self.demand[work] = alpha * samples[work] + (1 - alpha) * self.demand[work]
@@ -190,14 +193,6 @@ class RoleController:
     def moved(self, url: str, now: float) -> None:
         """An instance was moved by hand (the admin API): it dwells like a controller move."""
         self.moved_at[url] = self.last_move_at = now
-
-    def _work_of(self, load: InstanceLoad) -> dict[Role, float]:
-        if load.role == Role.PREFILL:
-            return {Role.PREFILL: load.batch_reqs}
-        if load.role == Role.DECODE:
-            return {Role.DECODE: load.batch_reqs}
-        prefill = min(load.batch_reqs, load.queued_prefill_tokens / self.config.prefill_unit_tokens)
-        return {Role.PREFILL: prefill, Role.DECODE: load.batch_reqs - prefill}
 
     def _may_move(self, url: str, now: float) -> bool:
         return now - self.moved_at.get(url, -math.inf) >= self.config.dwell_s

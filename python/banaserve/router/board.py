@@ -86,6 +86,12 @@ class Board:
             spec.url: InstanceLoad(url=spec.url, role=spec.role, updated_at=now) for spec in specs
         }
 
+    def replace_spec(self, spec: Member) -> None:
+        """The instance at ``spec.url`` runs as ``spec`` from now on (its cores may differ:
+        the core neighbours are worked out again). Its role and load record stay."""
+        self.specs = [spec if s.url == spec.url else s for s in self.specs]
+        self._peers = core_peers(self.specs)
+
     def role_of(self, url: str) -> Role:
         """The role ``url`` serves in now."""
         return self._roles[url]

@@ -1,0 +1,47 @@
+"""What an instance's load record says about the work it holds, in the units both migration
+controllers count in: requests of each kind (prefill steps, decodes), and cores' worth of them.
+
+A CPU core serves about one request of either kind at full speed (the defaults below), so a
+core holding ``n`` requests is ``n`` times busy: its steps take ``n`` times as long.
+"""
+
+from __future__ import annotations
+
+from banaserve.router.base import Role
+from banaserve.router.load import InstanceLoad
+
+#: Decoding requests one core serves at full speed. On a CPU core one: a decode step's time
+#: grows about in proportion to its batch there (SmolLM2-135M fp32 decodes one request at
+#: 0.09 s per token, a batch of 4 to 6 at 0.44 s: RESULTS.md, session 7). With 4, as first
+#: set, the role controller read a core holding every long request as half busy and moved late.
+DECODE_FULL_REQS = 1.0
+#: Prefill steps one core computes at once (a CPU core is busy with one).
+PREFILL_FULL_REQS = 1.0
+#: Queued prompt tokens on a mixed instance that count as one prefill step.
+PREFILL_UNIT_TOKENS = 1024
+
+
+def work_of(
+    load: InstanceLoad, prefill_unit_tokens: int = PREFILL_UNIT_TOKENS
+) -> dict[Role, float]:
+    """The requests ``load``'s instance holds, by kind of work: all of a prefill instance's
+    are prefill steps and all of a decode instance's decodes; a mixed instance's queued
+    prompt tokens count as prefill steps (``prefill_unit_tokens`` each, at most its batch) and
+    the rest of its batch as decodes."""
+    if load.role == Role.PREFILL:
+        return {Role.PREFILL: float(load.batch_reqs), Role.DECODE: 0.0}
+    if load.role == Role.DECODE:
+        return {Role.PREFILL: 0.0, Role.DECODE: float(load.batch_reqs)}
+    prefill = min(load.batch_reqs, load.queued_prefill_tokens / prefill_unit_tokens)
+    return {Role.PREFILL: prefill, Role.DECODE: load.batch_reqs - prefill}
+
+
+def cores_busy(
+    load: InstanceLoad,
+    decode_full_reqs: float = DECODE_FULL_REQS,
+    prefill_full_reqs: float = PREFILL_FULL_REQS,
+    prefill_unit_tokens: int = PREFILL_UNIT_TOKENS,
+) -> float:
+    """Cores' worth of work ``load``'s instance holds (1.0: one core at full speed)."""
+    work = work_of(load, prefill_unit_tokens)
+    return work[Role.PREFILL] / prefill_full_reqs + work[Role.DECODE] / decode_full_reqs
