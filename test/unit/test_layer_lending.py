@@ -126,7 +126,7 @@ def test_migration_reports_the_fixed_layout_and_refuses_moves() -> None:
 
 
 def test_an_instance_that_died_comes_back_whole_on_its_own_cores(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     from banaserve.cluster import processes as cluster_processes
     from banaserve.router.board import Board
@@ -142,10 +142,10 @@ def test_an_instance_that_died_comes_back_whole_on_its_own_cores(
         def alive(self) -> bool:
             return False
 
-        def stop(self) -> None:
+        def respawn(self, argv: list[str], env: dict[str, str]) -> Run:
             self.stopped = True
+            return Run(self.name, argv, self.log_path, env)
 
-    monkeypatch.setattr(cluster_processes, "ManagedProcess", Run)
     specs = lend_decode_layers(pinned(2, 1), SPLIT)
     prefill_0, prefill_1, split = specs
     board = Board(specs)

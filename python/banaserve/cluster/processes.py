@@ -150,16 +150,14 @@ class ClusterProcesses:
         spec = child.spec
         if spec is None or spec.unsplit is None:
             return child.process.respawn()
-        old = child.process
-        if old.alive():
-            raise RuntimeError(f"{child.name} (pid {old.pid}) is still running")
-        old.stop()  # closes the log; kills whatever the old run left in its group
-        child.spec = spec.unsplit
+        whole = spec.unsplit
+        again = child.process.respawn(instance_argv(whole, self._launch_argv),
+                                      instance_env(whole, self._env))  # fmt: skip
+        child.spec = whole
         logger.warning("%s restarts whole, as one stage on its own cores (%s): its later "
                        "layers no longer run on a borrowed core", child.name,
-                       ",".join(map(str, child.spec.cores)) or "unpinned")  # fmt: skip
-        return ManagedProcess(child.name, instance_argv(child.spec, self._launch_argv),
-                              old.log_path, env=instance_env(child.spec, self._env))  # fmt: skip
+                       ",".join(map(str, whole.cores)) or "unpinned")  # fmt: skip
+        return again
 
     def _wait_ready(self, instance: Child, timeout: float) -> None:
         took = instance.process.wait_http_ok(

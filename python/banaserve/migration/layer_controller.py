@@ -261,10 +261,9 @@ class LayerController:
         if peak <= self.config.min_peak:
             return None
         # Fewest bytes among equal peaks, then the larger k (fewer borrowed layers).
-        options = sorted(range(split.min_boundary, layers + 1),
-                         key=lambda c: (round(peak_at(c), 9), abs(c - k), -c))  # fmt: skip
-        k_new = options[0]
-        after = peak_at(k_new)
+        peaks = {c: peak_at(c) for c in range(split.min_boundary, layers + 1)}
+        k_new = min(peaks, key=lambda c: (round(peaks[c], 9), abs(c - k), -c))
+        after = peaks[k_new]
         if k_new == k or after > peak * (1 - self.config.min_gain):
             return None
         move = self._move(split, load, k, k_new, peak, after, now, "controller")

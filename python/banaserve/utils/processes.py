@@ -129,15 +129,18 @@ class ManagedProcess:
             preexec_fn=parent_death_signal() if die_with_parent else None,
         )
 
-    def respawn(self) -> ManagedProcess:
-        """A new run of the same command, logging to the same file (appended). This
-        process must have exited; the caller owns the new one."""
+    def respawn(
+        self, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+    ) -> ManagedProcess:
+        """A new run of the same command (or of ``argv`` with ``env``), logging to the same
+        file (appended). This process must have exited; the caller owns the new one."""
         if self.alive():
             raise RuntimeError(f"{self.name} (pid {self.pid}) is still running")
         self.stop()  # closes the log; kills whatever the old run left in its group
         return ManagedProcess(
-            self.name, self.argv, self.log_path, self.env, self.cwd, self.die_with_parent
-        )
+            self.name, self.argv if argv is None else argv, self.log_path,
+            self.env if env is None else env, self.cwd, self.die_with_parent,
+        )  # fmt: skip
 
     def log_since_start(self, max_bytes: int = 1 << 20) -> str:
         """The end of what this run logged (at most ``max_bytes``)."""
