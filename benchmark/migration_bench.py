@@ -56,7 +56,13 @@ MODES = {
     "banaserve_1p1d_any": SystemSpec("banaserve_1p1d_any", "banaserve", ours=True, prefill=1,
                                      decode=1, extra=("--in-place-max-new-tokens",
                                                       str(ANY_LENGTH))),
+    # The ablation of spilling (session 10): every long prompt waits for the prefill instance,
+    # as before it (router/spill.py). Not a migration mode: never the "best mode".
+    "banaserve_1p1d_nospill": SystemSpec("banaserve_1p1d_nospill", "banaserve", ours=True,
+                                         prefill=1, decode=1, extra=("--spill-prefill", "off")),
 }  # fmt: skip
+#: Systems of MODES that are routing ablations of ``off``, not migration modes.
+ABLATIONS = ("banaserve_1p1d_nospill",)
 BASELINE = "coloc_2_round_robin"
 SAMPLE_S = 1.0
 
@@ -164,7 +170,7 @@ def report(rows: dict[str, dict], load: tuple[str, str]) -> str:
         return value if value == value else -1.0  # NaN (no result) ranks last
 
     off = "banaserve_1p1d_off"
-    best = max((m for m in MODES if m != off), key=throughput_or_last)
+    best = max((m for m in MODES if m != off and m not in ABLATIONS), key=throughput_or_last)
     summary = rows.get(best, {}).get("summary", {})
     return " ".join(
         [

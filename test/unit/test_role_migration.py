@@ -11,11 +11,9 @@ from dataclasses import dataclass
 import pytest
 
 from banaserve.cluster.migration_loop import RoleMigration
-from banaserve.migration import MIGRATION_MODES
 from banaserve.migration.role_controller import RoleController, RoleControllerConfig
 from banaserve.router import Board, Placer, RequestShape, Role, Router, make_policy
 from banaserve.router.load import InstanceLoad
-from banaserve.server.cli import MIGRATION_MODES as CLI_MODES
 
 P0, P1, D0 = "http://p0", "http://p1", "http://d0"
 #: BanaServe's 2P+1D layout on two cores: prefill-0 and decode-0 share core 0.
@@ -114,10 +112,6 @@ def test_bad_config_is_refused() -> None:
                 {"dwell_s": -1}, {"prefill_unit_tokens": 0}):  # fmt: skip
         with pytest.raises(ValueError):
             RoleControllerConfig(**bad)
-
-
-def test_the_command_line_and_the_package_agree_on_the_modes() -> None:
-    assert CLI_MODES == MIGRATION_MODES
 
 
 # -- the board and the gateway's loop ---------------------------------------------------------

@@ -52,6 +52,7 @@ from banaserve.cluster.relay_bodies import computed_prompt_tokens, prefill_body
 from banaserve.router.base import NoHealthyInstance, Policy, Role
 from banaserve.router.placement import Placement, Placer
 from banaserve.router.router import Router
+from banaserve.router.spill import SPILL_PREFILL
 from banaserve.server.request_limits import RequestRejected, check_body_size, check_content_type
 from banaserve.server.request_validation import GENERATION_PATHS
 
@@ -81,6 +82,7 @@ class GatewayCounters:
     direct: int = 0
     direct_on_prefill: int = 0
     followed: int = 0
+    spilled: int = 0  # needed a handoff, ran whole: the prefill instances were backed up
     retries: int = 0
     errors: int = 0
     fallbacks_to_prefill: int = 0
@@ -116,10 +118,11 @@ class Gateway:
         clear_store: ClearStore | None = None,
         migration: RoleMigration | None = None,
         fixed_migration: dict[str, Any] | None = None,
+        spill_prefill: bool = SPILL_PREFILL,
     ) -> None:
         self.board = board
         placer = placer if placer is not None else Placer()
-        self.router = Router(board, prefill_policy, decode_policy, placer)
+        self.router = Router(board, prefill_policy, decode_policy, placer, spill_prefill)
         self.intake = intake if intake is not None else Intake()
         self._prefilling: dict[str, asyncio.Event] = {}  # by prompt, handoffs in prefill
         self.extra_info = extra_info
@@ -198,6 +201,7 @@ class Gateway:
             placement = Placement(handoff=True, uncached_tokens=0, any_role=False)
         else:
             self.counters.direct += 1
+            self.counters.spilled += placement.spilled
             followed = self._prefilling.get(placement.follows or "")
             if followed is not None:
                 self.counters.followed += 1
@@ -433,6 +437,7 @@ class Gateway:
             "handoffs": placer.hands_off,  # False without a store: requests run whole
             "handoff_min_tokens": placer.handoff_min_tokens,
             "in_place_max_new_tokens": placer.in_place_max_new_tokens,
+            "spill_prefill": router.spill_prefill,
             "gateway": {
                 **{k: v for k, v in asdict(counters).items() if k != "started_at"},
                 "uptime_s": round(time.time() - counters.started_at, 1),

@@ -271,6 +271,7 @@ async def serve_gateway(
         clear_store=store_client.clear if store_client is not None else None,
         migration=migration,
         fixed_migration=fixed_migration,
+        spill_prefill=options.spill_prefill,
     )
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()

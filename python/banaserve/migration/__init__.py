@@ -13,5 +13,5 @@ for the predictive mode) is pure code over the same load records, in the units o
 :mod:`banaserve.migration.work`.
 """
 
-#: The ``--migration`` modes (the command line keeps a copy, checked by a test).
+#: The ``--migration`` modes.
 MIGRATION_MODES: tuple[str, ...] = ("off", "role", "layer")

@@ -157,7 +157,7 @@ class RoleController:
         for work in WORK:
             self.demand[work] = alpha * samples[work] + (1 - alpha) * self.demand[work]
         peak = max(self.utilisation(roles).values())
-        if peak < self.config.min_peak or now - self.last_move_at < self.config.cooldown_s:
+        if peak <= self.config.min_peak or now - self.last_move_at < self.config.cooldown_s:
             return []
         best: tuple[tuple[float, bool, int, str], InstanceLoad, Role] | None = None
         for load in healthy:

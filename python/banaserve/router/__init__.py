@@ -10,6 +10,7 @@ simulator run the same decisions.
 - :mod:`.board`: the latest record per instance and the router's in-flight accounting.
 - :mod:`.request_shape`: :class:`RequestShape`, a request as the router sees it.
 - :mod:`.placement`: handoff through the store or whole on one instance.
+- :mod:`.spill`: a long prompt runs whole when the prefill instances are backed up.
 - :mod:`.policies`: BanaServe's load-aware policy, round robin, :func:`make_policy`.
 - :mod:`.cache_aware`: sglang-router's ``cache_aware`` policy, the baseline, over the
   approximate trees of :mod:`.prefix_tree`.
@@ -34,10 +35,12 @@ from banaserve.router.policies import (
 from banaserve.router.prefix_tree import ApproxRadixTree
 from banaserve.router.request_shape import RequestShape
 from banaserve.router.router import Pick, Router
+from banaserve.router.spill import SPILL_PREFILL, prefill_backlogged
 
 __all__ = [
     "POLICY_NAMES",
     "ROLES",
+    "SPILL_PREFILL",
     "ApproxRadixTree",
     "Board",
     "CacheAwarePolicy",
@@ -60,5 +63,6 @@ __all__ = [
     "load_from_metrics",
     "make_policy",
     "parse_sglang_metrics",
+    "prefill_backlogged",
     "with_inflight",
 ]

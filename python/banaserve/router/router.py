@@ -17,6 +17,7 @@ from banaserve.router.board import Board
 from banaserve.router.load import InstanceLoad
 from banaserve.router.placement import Placement, Placer
 from banaserve.router.request_shape import RequestShape
+from banaserve.router.spill import SPILL_PREFILL, prefill_backlogged
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,29 @@ class Router:
     """
 
     def __init__(
-        self, board: Board, prefill_policy: Policy, decode_policy: Policy, placer: Placer
+        self,
+        board: Board,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        placer: Placer,
+        spill_prefill: bool = SPILL_PREFILL,
     ) -> None:
         self.board = board
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.placer = placer
+        self.spill_prefill = spill_prefill
 
     def plan(self, shape: RequestShape) -> Placement:
-        """Handoff or direct, and the prompt recorded as computed (see :class:`Placer`)."""
-        return self.placer.place(shape)
+        """Handoff or direct, and the prompt recorded as computed (see :class:`Placer`);
+        with ``spill_prefill``, a prompt that needs a handoff while the prefill instances are
+        backed up runs whole on a freer serving instance (:mod:`banaserve.router.spill`)."""
+        backlogged = self.spill_prefill and self.placer.hands_off and prefill_backlogged(
+            self.board.healthy(Role.PREFILL) + self.board.healthy(Role.MIXED),
+            self.board.healthy(Role.DECODE) + self.board.healthy(Role.MIXED),
+            self.placer.handoff_min_tokens,
+        )  # fmt: skip
+        return self.placer.place(shape, backlogged)
 
     def prefilled(self, shape: RequestShape) -> None:
         """The prefill step of a handoff planned for ``shape`` has ended (well or not)."""

@@ -12,6 +12,10 @@ import argparse
 from dataclasses import dataclass, field
 
 from banaserve.cluster.restart_policy import RestartPolicy
+from banaserve.migration import MIGRATION_MODES
+from banaserve.router.placement import HANDOFF_MIN_TOKENS, IN_PLACE_MAX_NEW_TOKENS
+from banaserve.router.policies import POLICY_NAMES
+from banaserve.router.spill import SPILL_PREFILL
 from banaserve.server.pipeline_options import add_pipeline_args
 from banaserve.server.request_limits import (
     DEFAULT_MAX_JSON_DEPTH,
@@ -28,11 +32,8 @@ KV_STORE_VALUE_FLAGS = KvStoreOptions.value_flags()
 #: on SGLang's CPU engine SmolLM2-135M decodes at 11 tok/s in float32, 4.3 in bfloat16 (its
 #: checkpoint's dtype, which "auto" would pick).
 CPU_DEFAULT_DTYPE = "float32"
-#: Kept in step with banaserve.router.policies.POLICY_NAMES (a test checks): importing the
-#: router here would slow every instance's start-up for a list of names.
-ROUTER_POLICIES = ("load_aware", "cache_aware", "round_robin")
-#: Kept in step with banaserve.migration.MIGRATION_MODES (a test checks), for the same reason.
-MIGRATION_MODES = ("off", "role", "layer")
+#: The ``--router-policy`` choices.
+ROUTER_POLICIES = POLICY_NAMES
 #: BanaServe flags that take a value / take none; used to rewrite an argv for instances.
 CLUSTER_VALUE_FLAGS = (
     "--num-prefill",
@@ -43,6 +44,7 @@ CLUSTER_VALUE_FLAGS = (
     "--cluster-log-dir",
     "--max-restarts-per-minute",
     "--migration",
+    "--spill-prefill",
 )
 CLUSTER_SWITCHES = ("--cpu-affinity",)
 
@@ -76,6 +78,7 @@ class ClusterOptions:
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     migration: str = "off"
+    spill_prefill: bool = SPILL_PREFILL
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
@@ -97,6 +100,7 @@ class ClusterOptions:
             args.handoff_min_tokens, args.cluster_log_dir, args.in_place_max_new_tokens,
             request_limits_from_args(args),
             RestartPolicy(max_per_minute=args.max_restarts_per_minute), args.migration,
+            args.spill_prefill == "on",
         )  # fmt: skip
 
 
@@ -188,18 +192,27 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument(
         "--handoff-min-tokens",
         type=int,
-        default=256,
+        default=HANDOFF_MIN_TOKENS,
         help="Prompts with at least this many tokens not yet computed anywhere in the cluster "
-        "go through a prefill instance; others go straight to one instance (default: 256, "
-        "SGLang's store prefetch threshold).",
+        "go through a prefill instance; others go straight to one instance (default: "
+        f"{HANDOFF_MIN_TOKENS}, SGLang's store prefetch threshold).",
+    )
+    cluster.add_argument(
+        "--spill-prefill",
+        choices=("on", "off"),
+        default="on" if SPILL_PREFILL else "off",
+        help="'on': when the prefill instance a long prompt would go to is already "
+        "prefilling and a serving instance's cores hold fewer requests, the prompt runs whole "
+        "there instead of queueing, so no core idles while prompts wait (default: "
+        f"{'on' if SPILL_PREFILL else 'off'}).",
     )
     cluster.add_argument(
         "--in-place-max-new-tokens",
         type=int,
-        default=16,
+        default=IN_PLACE_MAX_NEW_TOKENS,
         help="A request that needs no prefill step and generates at most this many tokens may "
-        "run whole on a prefill instance too, balancing over every instance (default: 16; "
-        "0 keeps decoding on decode instances).",
+        "run whole on a prefill instance too, balancing over every instance (default: "
+        f"{IN_PLACE_MAX_NEW_TOKENS}; 0 keeps decoding on decode instances).",
     )
     cluster.add_argument(
         "--max-restarts-per-minute",

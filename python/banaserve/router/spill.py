@@ -1,0 +1,50 @@
+"""When the prefill instances are backed up, a long prompt runs whole where cores are free.
+
+A handoff sends a prompt's prefill to a prefill instance so that long prefills never stall a
+decode instance's batch. That pays while the prefill instances keep up. When they do not (a
+run of long prompts with short outputs: a prefill-heavy phase), every new prompt queues behind
+theirs while a decode instance's core sits idle, and the cluster prefills on a fraction of its
+cores: on 1P+1D, one of two (migration_bench, RESULTS.md session 9: TTFT p50 35 s against 7 s
+for two plain SGLang instances on the same cores). Then the prompt *spills*: it runs whole, as
+a direct request, on the serving instance whose cores hold the fewest requests, exactly as a
+short-prompt request would. Its prefill stalls that instance's decodes for one prefill, so it
+spills only onto cores holding fewer requests than the prefill instance it would queue on.
+
+Pure: a decision over the board's :class:`InstanceLoad` records (with the router's in-flight
+work merged in), nothing else, so the simulator decides as the gateway does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from banaserve.router.load import InstanceLoad
+from banaserve.router.policies import load_aware_prefill
+
+#: Whether a cluster spills prompts when its prefill instances are backed up (the
+#: ``--spill-prefill`` default).
+SPILL_PREFILL = True
+
+
+def prefill_backlogged(
+    prefill: Sequence[InstanceLoad], serve: Sequence[InstanceLoad], min_tokens: int
+) -> bool:
+    """Whether a new long prompt should run whole on a serving instance instead of queueing
+    for a prefill step.
+
+    ``prefill``: the instances that take prefill steps; ``serve``: those that serve a direct
+    request (decode and mixed ones). True when the prefill instance the prompt would go to
+    (:func:`load_aware_prefill`'s choice) already holds at least ``min_tokens`` (at least 1)
+    prompt tokens to prefill, so the prompt would wait, and some serving instance's cores hold
+    fewer requests (:attr:`InstanceLoad.core_reqs`, neighbours on the same cores included)
+    than that prefill instance's. Unhealthy records are ignored; False when either side has
+    no healthy instance (then the gateway's usual fallbacks apply).
+    """
+    prefill = [c for c in prefill if c.healthy]
+    serve = [c for c in serve if c.healthy]
+    if not prefill or not serve:
+        return False
+    target = load_aware_prefill(prefill)
+    if target.queued_prefill_tokens < max(1, min_tokens):
+        return False
+    return min(c.core_reqs for c in serve) < target.core_reqs

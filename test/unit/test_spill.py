@@ -1,0 +1,135 @@
+"""Spilling: a long prompt runs whole on a freer serving instance when the prefill instance it
+would be handed to is already prefilling, and only then."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from banaserve.launch_server import plan_launch
+from banaserve.router import (
+    SPILL_PREFILL,
+    Board,
+    InstanceLoad,
+    Placer,
+    RequestShape,
+    Role,
+    Router,
+    make_policy,
+    prefill_backlogged,
+)
+from banaserve.server.request_validation import GENERATE
+
+MIN = 256
+LONG = "An uncached document the cluster has never seen. " * 100  # about 1,250 tokens
+
+
+def load(url: str, role: str, queued_tokens: int = 0, reqs: int = 0, peers: int = 0,
+         healthy: bool = True) -> InstanceLoad:  # fmt: skip
+    return InstanceLoad(url, role, healthy, queued_reqs=reqs,
+                        queued_prefill_tokens=queued_tokens, core_peer_reqs=peers)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("prefill", "serve", "spills"),
+    [
+        # 1P+1D: the prefill instance computes one prompt, the decode core is idle.
+        ([load("p0", "prefill", 1024, 1)], [load("d0", "decode")], True),
+        # The prefill instance is idle: the prompt does not wait, so it is handed off.
+        ([load("p0", "prefill", 0, 0)], [load("d0", "decode")], False),
+        # Less than one handoff's worth queued (a short prompt's tail): no wait worth a spill.
+        ([load("p0", "prefill", MIN - 1, 1)], [load("d0", "decode")], False),
+        # The decode core is as busy as the prefill one: queueing costs no more than stalling.
+        ([load("p0", "prefill", 1024, 1)], [load("d0", "decode", 0, 1)], False),
+        # 2P+1D on two cores: the prompt would go to the idle prefill-1, so it is handed off.
+        ([load("p0", "prefill", 1024, 1), load("p1", "prefill")], [load("d0", "decode")], False),
+        # decode-0 shares its core with a busy prefill-0: that core is not free.
+        ([load("p0", "prefill", 1024, 1, peers=0), load("p1", "prefill", 1024, 1)],
+         [load("d0", "decode", peers=1)], False),
+        # Two prompts queued on each prefill core, one decode on decode-0's: it spills there.
+        ([load("p0", "prefill", 2048, 2), load("p1", "prefill", 2048, 2)],
+         [load("d0", "decode", 0, 1)], True),
+        # An unhealthy serving instance takes nothing; no healthy one: no spill.
+        ([load("p0", "prefill", 1024, 1)], [load("d0", "decode", healthy=False)], False),
+        ([], [load("d0", "decode")], False),
+    ],
+)  # fmt: skip
+def test_spill_only_when_the_prompt_would_wait_and_a_core_is_freer(
+    prefill: list[InstanceLoad], serve: list[InstanceLoad], spills: bool
+) -> None:
+    assert prefill_backlogged(prefill, serve, MIN) is spills
+
+
+def shape(text: str = LONG, max_new_tokens: int | None = 4) -> RequestShape:
+    return RequestShape(GENERATE, text, len(text) // 4, False, max_new_tokens)
+
+
+def test_a_spilled_prompt_runs_direct_and_no_request_waits_for_it() -> None:
+    placer = Placer(handoff_min_tokens=MIN)
+    spilled = placer.place(shape(), prefill_backlogged=True)
+    assert spilled.spilled and not spilled.handoff
+    assert spilled.uncached_tokens == len(LONG) // 4  # booked as the instance's prefill work
+    assert spilled.any_role  # 4 output tokens: short, as for a handoff
+    # It is indexed as computed, but no handoff is pending: a twin neither waits nor spills.
+    twin = placer.place(shape(LONG + "?"), prefill_backlogged=True)
+    assert not twin.handoff and not twin.spilled and twin.follows is None
+    # A request that needs no handoff is never marked spilled.
+    assert not placer.place(shape("short"), prefill_backlogged=True).spilled
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    role: str
+    url: str
+    cores: tuple[int, ...]
+
+
+def router_1p1d(spill: bool = SPILL_PREFILL) -> tuple[Router, Board]:
+    board = Board([Spec("prefill-0", "prefill", "http://p0", (1,)),
+                   Spec("decode-0", "decode", "http://d0", (0,))], lambda: 0.0)  # fmt: skip
+    router = Router(board, make_policy("load_aware", Role.PREFILL),
+                    make_policy("load_aware", Role.DECODE), Placer(MIN), spill)  # fmt: skip
+    return router, board
+
+
+def test_the_router_spills_the_second_long_prompt_onto_the_idle_decode_core() -> None:
+    assert SPILL_PREFILL  # on by default
+    router, _ = router_1p1d()
+    # Different documents: the second shares no prefix worth following.
+    first, second = shape("A" + LONG), shape("B" + LONG)
+    plan = router.plan(first)
+    assert plan.handoff
+    prefill = router.pick(Role.PREFILL, first)  # its prefill step runs on prefill-0
+    assert prefill.url == "http://p0"
+    plan = router.plan(second)
+    assert plan.spilled and not plan.handoff
+    serve = router.pick(Role.DECODE, second, any_role=plan.any_role,
+                        prefill_tokens=plan.uncached_tokens)  # fmt: skip
+    assert serve.url == "http://d0"
+    # Both cores now hold one request: the next prompt is handed off again.
+    assert router.plan(shape("C" + LONG)).handoff
+    router.done(serve, second)
+    router.done(prefill, first)
+
+
+def test_without_spilling_every_long_prompt_is_handed_off() -> None:
+    router, _ = router_1p1d(spill=False)
+    first = shape("A" + LONG)
+    router.plan(first)
+    router.pick(Role.PREFILL, first)
+    assert router.plan(shape("B" + LONG)).handoff
+
+
+def test_the_command_line_sets_spilling(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BANASERVE_PLATFORM", "cpu")
+    argv = ["--model-path", str(tiny_model), "--num-prefill", "1", "--num-decode", "1",
+            "--max-total-tokens", "4096"]  # fmt: skip
+    default = plan_launch(argv).cluster
+    assert default is not None and default.spill_prefill is SPILL_PREFILL
+    off = plan_launch([*argv, "--spill-prefill", "off"]).cluster
+    assert off is not None and off.spill_prefill is False
+    with pytest.raises(SystemExit):
+        plan_launch([*argv, "--spill-prefill", "maybe"])
