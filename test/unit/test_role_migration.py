@@ -58,6 +58,8 @@ def test_long_decodes_move_the_prefill_instance_on_its_own_core() -> None:
 def test_an_idle_or_balanced_cluster_stays_as_started() -> None:
     assert run(controller(), dict(HOME), {}, 0.0, 30) == []
     assert run(controller(), dict(HOME), {P0: 1, P1: 1, D0: 1}, 0.0, 30) == []
+    # One lone request: its smoothed demand reaches exactly min_peak, which moves nothing.
+    assert run(controller(), dict(HOME), {D0: 1}, 0.0, 120) == []
 
 
 def test_no_flapping_and_the_instance_goes_home_when_prompts_pile_up() -> None:
