@@ -30,7 +30,8 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def linker_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     log_dir = tmp_path_factory.mktemp("cluster-linker")
-    mode = ("--kv-store-mode", "linker", "--page-size", str(PAGE))
+    # Every long prompt goes through the handoff this module tests, never spilled around it.
+    mode = ("--kv-store-mode", "linker", "--page-size", str(PAGE), "--spill-prefill", "off")
     with running_cluster(tiny_model, log_dir, *mode) as running:
         yield running
 

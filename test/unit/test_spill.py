@@ -56,10 +56,30 @@ def load(url: str, role: str, queued_tokens: int = 0, reqs: int = 0, peers: int 
         ([], [load("d0", "decode")], False),
     ],
 )  # fmt: skip
-def test_spill_only_when_the_prompt_would_wait_and_a_core_is_freer(
+def test_a_long_output_spills_only_when_it_would_wait_and_a_decode_core_is_freer(
     prefill: list[InstanceLoad], serve: list[InstanceLoad], spills: bool
 ) -> None:
     assert prefill_backlogged(prefill, serve, MIN) is spills
+
+
+@pytest.mark.parametrize(
+    ("prefill", "serve", "spills"),
+    [
+        # The prefill instance is prefilling: a short output runs whole wherever the direct
+        # pick puts it, even if every decode core is as busy (or there is none).
+        ([load("p0", "prefill", 1024, 1)], [load("d0", "decode", 0, 3)], True),
+        ([load("p0", "prefill", 1024, 1)], [], True),
+        # It would not wait: it is handed off.
+        ([load("p0", "prefill", 0, 0)], [load("d0", "decode")], False),
+        ([load("p0", "prefill", 1024, 1), load("p1", "prefill")], [load("d0", "decode")], False),
+        # No healthy prefill instance: nothing to spill around.
+        ([load("p0", "prefill", 1024, 1, healthy=False)], [load("d0", "decode")], False),
+    ],
+)  # fmt: skip
+def test_a_short_output_spills_whenever_it_would_wait(
+    prefill: list[InstanceLoad], serve: list[InstanceLoad], spills: bool
+) -> None:
+    assert prefill_backlogged(prefill, serve, MIN, short=True) is spills
 
 
 def shape(text: str = LONG, max_new_tokens: int | None = 4) -> RequestShape:
@@ -98,8 +118,8 @@ def router_1p1d(spill: bool = SPILL_PREFILL) -> tuple[Router, Board]:
 def test_the_router_spills_the_second_long_prompt_onto_the_idle_decode_core() -> None:
     assert SPILL_PREFILL  # on by default
     router, _ = router_1p1d()
-    # Different documents: the second shares no prefix worth following.
-    first, second = shape("A" + LONG), shape("B" + LONG)
+    # Different documents (the second shares no prefix worth following), long outputs.
+    first, second = shape("A" + LONG, 64), shape("B" + LONG, 64)
     plan = router.plan(first)
     assert plan.handoff
     prefill = router.pick(Role.PREFILL, first)  # its prefill step runs on prefill-0
@@ -109,8 +129,13 @@ def test_the_router_spills_the_second_long_prompt_onto_the_idle_decode_core() ->
     serve = router.pick(Role.DECODE, second, any_role=plan.any_role,
                         prefill_tokens=plan.uncached_tokens)  # fmt: skip
     assert serve.url == "http://d0"
-    # Both cores now hold one request: the next prompt is handed off again.
-    assert router.plan(shape("C" + LONG)).handoff
+    # Both cores now hold one request: the next long-output prompt is handed off again...
+    assert router.plan(shape("C" + LONG, 64)).handoff
+    # ...and a short-output one runs whole on either instance (the fewest on its cores).
+    short = shape("D" + LONG, 4)
+    plan = router.plan(short)
+    assert plan.spilled and plan.any_role
+    assert router.pick(Role.DECODE, short, any_role=True).url in {"http://p0", "http://d0"}
     router.done(serve, second)
     router.done(prefill, first)
 
@@ -120,7 +145,7 @@ def test_without_spilling_every_long_prompt_is_handed_off() -> None:
     first = shape("A" + LONG)
     router.plan(first)
     router.pick(Role.PREFILL, first)
-    assert router.plan(shape("B" + LONG)).handoff
+    assert router.plan(shape("B" + LONG)).handoff and router.plan(shape("C" + LONG, 64)).handoff
 
 
 def test_the_command_line_sets_spilling(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

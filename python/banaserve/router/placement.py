@@ -129,15 +129,19 @@ class Placer:
         self.index.add(shape.prompt)
         # max_new_tokens 0 only fills a cache (SGLang's frontend does it): nothing to hand off.
         handoff = uncached >= self.handoff_min_tokens and shape.max_new_tokens != 0
-        short = shape.max_new_tokens is not None and (
-            shape.max_new_tokens <= self.in_place_max_new_tokens
-        )
+        short = self.runs_anywhere(shape)
         if handoff and prefill_backlogged:
             return Placement(False, uncached, short, self._followed(shape), spilled=True)
         if handoff:
             self._pending[shape.prompt] += 1
             return Placement(handoff=True, uncached_tokens=uncached, any_role=short)
         return Placement(False, uncached, short, self._followed(shape))
+
+    def runs_anywhere(self, shape: RequestShape) -> bool:
+        """Whether ``shape`` generates few enough tokens (``in_place_max_new_tokens``) to run
+        whole on a prefill instance too."""
+        limit = self.in_place_max_new_tokens
+        return shape.max_new_tokens is not None and shape.max_new_tokens <= limit
 
     def reset(self) -> int:
         """Forget every prompt and pending handoff (the cluster's caches were cleared); the

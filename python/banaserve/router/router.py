@@ -65,6 +65,7 @@ class Router:
             self.board.healthy(Role.PREFILL) + self.board.healthy(Role.MIXED),
             self.board.healthy(Role.DECODE) + self.board.healthy(Role.MIXED),
             self.placer.handoff_min_tokens,
+            self.placer.runs_anywhere(shape),
         )  # fmt: skip
         return self.placer.place(shape, backlogged)
 

@@ -202,8 +202,9 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         choices=("on", "off"),
         default="on" if SPILL_PREFILL else "off",
         help="'on': when the prefill instance a long prompt would go to is already "
-        "prefilling and a serving instance's cores hold fewer requests, the prompt runs whole "
-        "there instead of queueing, so no core idles while prompts wait (default: "
+        "prefilling, the prompt runs whole instead of queueing: on any instance if it generates "
+        "at most --in-place-max-new-tokens tokens, else on a decode instance whose cores hold "
+        "fewer requests (default: "
         f"{'on' if SPILL_PREFILL else 'off'}).",
     )
     cluster.add_argument(
