@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
+from banaserve.migration.boundary_control import MOVABLE_ENV, split_dir_for
 from banaserve.platform import cpu_platform_wanted, install
 from banaserve.server.cli import (
     ClusterOptions,
@@ -31,6 +33,7 @@ from banaserve.server.pipeline_options import (
     check_boundary_flags,
     layer_split,
     lending_split,
+    movable_env,
     pipeline_env,
 )
 from banaserve.server.request_limits import RequestLimits
@@ -150,6 +153,10 @@ def pipeline_plan(
     ranks = args.dp_size * args.tp_size * args.pp_size
     cores = sorted(os.sched_getaffinity(0))
     env = pipeline_env(split, ranks, cores, os.environ, cpu=cpu_platform_wanted())
+    env.update(movable_env(split, args.pp_min_boundary, split_dir_for(os.getpid())))
+    if args.pp_min_boundary is not None:
+        notes.append(f"the boundary moves between {args.pp_min_boundary} and {split.num_layers}"
+                     " (GET and POST /pp_boundary)")  # fmt: skip
     notes.extend(f"{key}={value}" for key, value in env.items())
     return env
 
@@ -229,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
 
     load_plugins()
     store_process = None
+    split_dir = None
     try:
         sglang_argv = plan.sglang_argv
         if plan.kv_store is not None:
@@ -236,8 +244,14 @@ def main(argv: list[str] | None = None) -> None:
             sglang_argv = sglang_argv + store_args
         server_args = prepare_server_args(sglang_argv)
         add_request_guard(plan.served_names, plan.request_limits)
+        if MOVABLE_ENV in plan.env:
+            from banaserve.server.boundary_route import add_boundary_route
+
+            split_dir = add_boundary_route(plan.env)
         run_server(server_args)
     finally:
+        if split_dir is not None:
+            shutil.rmtree(split_dir, ignore_errors=True)
         if store_process is not None:
             store_process.stop()
         kill_process_tree(os.getpid(), include_parent=False)

@@ -1,6 +1,8 @@
 """SGLang's pipeline parallelism on the CPU through BanaServe's launcher: an 8-layer tiny
 model split 3|5 (``--pp-size 2 --pp-layer-boundary 3``) answers token for token like one
 plain instance of the same model, one request at a time, four in one batch, and streamed.
+The same split with a movable boundary (``--pp-min-boundary``: see
+``test_pp_movable.py``) shares this module's servers.
 
 The split instance needs the platform's ``pp_cpu`` patch (no pynccl for the pipeline group)
 and the launcher's environment (the thread binding and the layer partition); both servers run
@@ -12,24 +14,16 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import requests
 
-from banaserve.models import build_tiny_model
-from banaserve.models.tiny import TinySpec
 from banaserve.server.pipeline_options import threads_bind
-from support.servers import Server, start_server
+from support.pipeline import BOUNDARY, LAYERS, SPLIT_KV_TOKENS, generate, streamed
+from support.servers import Server
 from support.stages import stage_processes, thread_masks
 
-LAYERS = 8
-BOUNDARY = 3
 NEW_TOKENS = 24
-#: The split's KV pool: large enough that each stage's K size, which SGLang logs in GiB with two
-#: decimals, tells 3 layers from 4 or 5 (16 MiB of K per layer of the tiny model).
-SPLIT_KV_TOKENS = 65536
 #: Every request generates exactly NEW_TOKENS tokens, so whole sequences are compared.
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 PROMPTS = [
@@ -41,55 +35,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with 8 layers (untied, like the default one)."""
-    spec = TinySpec(num_hidden_layers=LAYERS)
-    return build_tiny_model(tmp_path_factory.mktemp("tiny8") / "tiny-llama-8", spec=spec)
-
-
-@pytest.fixture(scope="module")
-def servers(
-    deep_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Server, Server]]:
-    """(plain pp=1 instance, pp=2 instance split at BOUNDARY), started together."""
-    logs = tmp_path_factory.mktemp("pp_logs")
-    plain = start_server(deep_model, logs / "plain.log")
-    started = [plain]
-    try:
-        split = start_server(
-            deep_model, logs / "split.log",
-            "--pp-size", "2", "--pp-layer-boundary", str(BOUNDARY),
-            "--max-total-tokens", str(SPLIT_KV_TOKENS),  # the last one given counts
-            log_level="info",  # for the stages' KV pool sizes
-        )  # fmt: skip
-        started.append(split)
-        plain.wait_ready()
-        split.wait_ready()
-        yield plain, split
-    finally:
-        for server in started:
-            server.process.stop()
-
-
-def generate(url: str, text: str | list[str]) -> dict | list[dict]:
-    response = requests.post(
-        f"{url}/generate", json={"text": text, "sampling_params": GREEDY}, timeout=300
-    )
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def streamed(url: str, text: str) -> tuple[list[int], str, int]:
-    """The output ids and text a streamed ``/generate`` ends with, and how many chunks came."""
-    body = {"text": text, "sampling_params": GREEDY, "stream": True}
-    last, chunks = None, 0
-    with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as answer:
-        assert answer.status_code == 200, answer.text
-        for line in answer.iter_lines():
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                last, chunks = json.loads(line[5:]), chunks + 1
-    assert last is not None
-    return last["output_ids"], last["text"], chunks
+def servers(pp_servers: dict[str, Server]) -> tuple[Server, Server]:
+    """(plain pp=1 instance, pp=2 instance split at BOUNDARY)."""
+    return pp_servers["plain"], pp_servers["split"]
 
 
 def test_each_stage_holds_the_layers_it_was_given(
@@ -138,8 +86,8 @@ def test_one_at_a_time_matches_a_plain_instance(
     servers: tuple[Server, Server], prompt: int
 ) -> None:
     plain, split = servers
-    expected = generate(plain.url, PROMPTS[prompt])
-    got = generate(split.url, PROMPTS[prompt])
+    expected = generate(plain.url, GREEDY, PROMPTS[prompt])
+    got = generate(split.url, GREEDY, PROMPTS[prompt])
     assert len(expected["output_ids"]) == NEW_TOKENS
     assert got["output_ids"] == expected["output_ids"]
     assert got["text"] == expected["text"]
@@ -147,8 +95,8 @@ def test_one_at_a_time_matches_a_plain_instance(
 
 def test_a_batch_matches_a_plain_instance(servers: tuple[Server, Server]) -> None:
     plain, split = servers
-    expected = generate(plain.url, PROMPTS)
-    got = generate(split.url, PROMPTS)
+    expected = generate(plain.url, GREEDY, PROMPTS)
+    got = generate(split.url, GREEDY, PROMPTS)
     assert len(got) == len(expected) == len(PROMPTS)
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
     assert all(len(r["output_ids"]) == NEW_TOKENS for r in got)
@@ -156,8 +104,8 @@ def test_a_batch_matches_a_plain_instance(servers: tuple[Server, Server]) -> Non
 
 def test_a_stream_matches_a_plain_instance(servers: tuple[Server, Server]) -> None:
     plain, split = servers
-    expected = generate(plain.url, PROMPTS[1])
-    ids, text, chunks = streamed(split.url, PROMPTS[1])
+    expected = generate(plain.url, GREEDY, PROMPTS[1])
+    ids, text, chunks = streamed(split.url, GREEDY, PROMPTS[1])
     assert ids == expected["output_ids"]
     assert text == expected["text"]
     assert chunks > 1

@@ -25,18 +25,36 @@ from banaserve.platform.fault_injection import POST_IMPORT_PATCHES as _FAULT_PAT
 from banaserve.platform.hicache_cpu import POST_IMPORT_PATCHES as _HICACHE_PATCHES
 from banaserve.platform.pd_cpu import POST_IMPORT_PATCHES as _PD_PATCHES
 from banaserve.platform.pp_cpu import POST_IMPORT_PATCHES as _PP_PATCHES
+from banaserve.platform.pp_movable import POST_IMPORT_PATCHES as _MOVABLE_PATCHES
 from banaserve.platform.pp_tied_head import POST_IMPORT_PATCHES as _TIED_HEAD_PATCHES
 from banaserve.platform.sdpa_cpu import POST_IMPORT_PATCHES as _SDPA_PATCHES
 from banaserve.platform.stage_pinning import POST_IMPORT_PATCHES as _PINNING_PATCHES
 
 _ALL_PATCHES = (
-    _HICACHE_PATCHES, _PD_PATCHES, _PP_PATCHES, _TIED_HEAD_PATCHES, _SDPA_PATCHES,
-    _PINNING_PATCHES, _FAULT_PATCHES,
+    _HICACHE_PATCHES, _PD_PATCHES, _PP_PATCHES, _TIED_HEAD_PATCHES, _MOVABLE_PATCHES,
+    _SDPA_PATCHES, _PINNING_PATCHES, _FAULT_PATCHES,
 )  # fmt: skip
-POST_IMPORT_PATCHES = {name: patch for patches in _ALL_PATCHES for name, patch in patches.items()}
-assert len(POST_IMPORT_PATCHES) == sum(map(len, _ALL_PATCHES)), (
-    "two patches of one module: chain them instead"
-)
+
+
+def chained(
+    patches: Sequence[Callable[[types.ModuleType], None]],
+) -> Callable[[types.ModuleType], None]:
+    """One patch running ``patches`` in order (several concerns patch one module)."""
+    if len(patches) == 1:
+        return patches[0]
+
+    def patch(module: types.ModuleType) -> None:
+        for each in patches:
+            each(module)
+
+    return patch
+
+
+_BY_MODULE: dict[str, list[Callable[[types.ModuleType], None]]] = {}
+for _patches in _ALL_PATCHES:
+    for _name, _patch in _patches.items():
+        _BY_MODULE.setdefault(_name, []).append(_patch)
+POST_IMPORT_PATCHES = {name: chained(patches) for name, patches in _BY_MODULE.items()}
 
 _WATCHED = frozenset({"sglang", "sgl_kernel", *POST_IMPORT_PATCHES})
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BOUNDARY_FLAG = "--pp-layer-boundary"
+MIN_BOUNDARY_FLAG = "--pp-min-boundary"
 LAYER_PARTITION_ENV = "SGLANG_PP_LAYER_PARTITION"
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 #: The pipeline depth a layer boundary splits into: two stages, [0, k) and [k, L).
@@ -37,6 +38,15 @@ def add_pipeline_args(group: argparse._ArgumentGroup) -> None:
         help="With --pp-size 2, the first pipeline stage runs layers [0, K) and the second "
         "[K, L), L being the model's num_hidden_layers; 1 <= K <= L-1 (default: SGLang's even "
         "split).",
+    )
+    group.add_argument(
+        MIN_BOUNDARY_FLAG,
+        type=int,
+        default=None,
+        metavar="KMIN",
+        help=f"With {BOUNDARY_FLAG} K, make the boundary movable at run time between KMIN and "
+        "L (POST /pp_boundary): the second stage allocates KV for layers [KMIN, L) and "
+        "receives their weights when the boundary moves down; 1 <= KMIN <= K.",
     )
 
 
@@ -111,6 +121,30 @@ def lending_split(boundary: int | None, pp_size: int, model_dir: Path) -> LayerS
     if layers < 2:
         raise ValueError(f"--migration layer needs a model of 2 layers or more, got {layers}")
     return checked_split(layers // 2 if boundary is None else boundary, layers)
+
+
+def movable_env(split: LayerSplit | None, lowest: int | None, split_dir: Path) -> dict[str, str]:
+    """The variables that make ``split``'s boundary movable down to ``lowest`` (none when
+    ``lowest`` is None), the stages sharing ``split_dir``. ValueError (one line) when
+    ``lowest`` comes without a split or outside [1, k]."""
+    from banaserve.migration.boundary_control import MOVABLE_ENV, SPLIT_DIR_ENV
+
+    if lowest is None:
+        return {}
+    if split is None:
+        raise ValueError(f"{MIN_BOUNDARY_FLAG} moves the boundary {BOUNDARY_FLAG} sets: give both")
+    if not 1 <= lowest <= split.boundary:
+        raise ValueError(
+            f"{MIN_BOUNDARY_FLAG} {lowest} is out of range: it must be between 1 and "
+            f"{BOUNDARY_FLAG} ({split.boundary})"
+        )
+    return {MOVABLE_ENV: str(lowest), SPLIT_DIR_ENV: str(split_dir)}
+
+
+def split_from_env(environ: Mapping[str, str]) -> LayerSplit:
+    """The split ``SGLANG_PP_LAYER_PARTITION`` in ``environ`` describes ("k,L-k")."""
+    first, second = (int(part) for part in environ[LAYER_PARTITION_ENV].split(","))
+    return LayerSplit(first, first + second)
 
 
 def threads_bind(ranks: int, cores: Sequence[int]) -> str:

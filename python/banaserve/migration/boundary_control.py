@@ -1,0 +1,85 @@
+"""The movable layer boundary of one two-stage instance: what is asked for, what runs.
+
+A split instance started with ``--pp-min-boundary`` (see
+:mod:`banaserve.platform.pp_movable`) keeps a small record in its split folder, shared by
+the processes of that instance: the server process (its ``/pp_boundary`` route) writes the
+boundary asked for; the first pipeline stage reads it before each micro-batch, moves there,
+and writes back the boundary it runs at and what the moves cost. The record is five int64
+fields in one memory-mapped file, each written by one process only, so nothing is locked:
+a reader sees each field either before or after a write, and the fields it reads together
+(``applied``, ``moves``, ``bytes_moved``) come from the one writer.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The environment variable that makes a two-stage instance's boundary movable: the smallest
+#: boundary its second stage holds buffers for.
+MOVABLE_ENV = "BANASERVE_PP_MIN_BOUNDARY"
+#: The environment variable naming the instance's split folder (this record and the KV the
+#: stages share), which the launcher creates and removes.
+SPLIT_DIR_ENV = "BANASERVE_PP_SPLIT_DIR"
+#: Where the launcher puts split folders: memory, not disk (the KV of the shared layers).
+SPLIT_ROOT = Path("/dev/shm")
+
+_FIELDS = ("requested", "applied", "moves", "bytes_moved", "num_layers")
+_FORMAT = "<" + "q" * len(_FIELDS)
+_SIZE = struct.calcsize(_FORMAT)
+_RECORD = "boundary"
+
+
+def split_dir_for(pid: int) -> Path:
+    """The split folder of the instance whose launcher runs as ``pid``."""
+    return SPLIT_ROOT / f"banaserve-split-{pid}"
+
+
+@dataclass(frozen=True)
+class BoundaryState:
+    """One reading of the record. ``requested``: the boundary asked for; ``applied``: the one
+    the last micro-batch ran at; ``moves`` and ``bytes_moved``: how many times it changed,
+    and the layer weights sent to the second stage for it."""
+
+    requested: int
+    applied: int
+    moves: int
+    bytes_moved: int
+    num_layers: int
+
+
+class BoundaryControl:
+    """The record in ``split_dir``, mapped into this process. ``create`` makes it (the
+    launcher, once); every other process opens it. Reads and writes never block."""
+
+    def __init__(self, split_dir: Path, *, create: bool = False, boundary: int = 0,
+                 num_layers: int = 0) -> None:  # fmt: skip
+        path = Path(split_dir) / _RECORD
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(struct.pack(_FORMAT, boundary, boundary, 0, 0, num_layers))
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, _SIZE)
+        finally:
+            os.close(fd)
+
+    def read(self) -> BoundaryState:
+        return BoundaryState(*struct.unpack_from(_FORMAT, self._map, 0))
+
+    def request(self, boundary: int) -> None:
+        """Ask for ``boundary`` (the server process). The first stage moves there before its
+        next micro-batch; the caller checks the range."""
+        self._write("requested", boundary)
+
+    def record_applied(self, boundary: int, moves: int, bytes_moved: int) -> None:
+        """What the first stage now runs at, and its totals (the first stage only)."""
+        self._write("bytes_moved", bytes_moved)
+        self._write("moves", moves)
+        self._write("applied", boundary)
+
+    def _write(self, field: str, value: int) -> None:
+        struct.pack_into("<q", self._map, 8 * _FIELDS.index(field), value)

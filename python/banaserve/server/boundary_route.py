@@ -1,0 +1,75 @@
+"""``GET`` and ``POST /pp_boundary`` on a two-stage instance whose layer boundary moves
+(``--pp-min-boundary``; see :mod:`banaserve.platform.pp_movable`).
+
+``GET`` answers the state: ``{"requested", "applied", "min_boundary", "num_layers",
+"moves", "bytes_moved"}`` (``applied``: the boundary the last micro-batch ran at).
+``POST {"boundary": k}`` asks for ``k`` (``min_boundary <= k <= num_layers``; ``k = L``
+runs every layer on the first stage, and the second holds no layer weights) and answers the
+state; the first stage moves before its next micro-batch. Anything else is a 400 that
+changes nothing.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the handlers' annotations.
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from banaserve.migration.boundary_control import MOVABLE_ENV, SPLIT_DIR_ENV, BoundaryControl
+from banaserve.server.pipeline_options import split_from_env
+
+ROUTE = "/pp_boundary"
+
+
+def state(control: BoundaryControl, lowest: int) -> dict[str, Any]:
+    now = control.read()
+    return {
+        "requested": now.requested, "applied": now.applied, "min_boundary": lowest,
+        "num_layers": now.num_layers, "moves": now.moves, "bytes_moved": now.bytes_moved,
+    }  # fmt: skip
+
+
+def checked_boundary(body: object, lowest: int, layers: int) -> int:
+    """The boundary a POST body asks for; ValueError (its message is the 400's) otherwise."""
+    if not isinstance(body, dict) or set(body) != {"boundary"}:
+        raise ValueError('the body must be a JSON object {"boundary": k}')
+    boundary = body["boundary"]
+    if isinstance(boundary, bool) or not isinstance(boundary, int):
+        raise ValueError(f"boundary must be an integer, got {boundary!r}")
+    if not lowest <= boundary <= layers:
+        raise ValueError(f"boundary {boundary} is out of range: this instance moves it between "
+                         f"{lowest} and {layers}")  # fmt: skip
+    return boundary
+
+
+def add_boundary_route(env: Mapping[str, str]) -> Path:
+    """Create the split folder and its record at the split ``env`` starts with, add the
+    routes to SGLang's app, and return the folder (the caller removes it at exit)."""
+    from sglang.srt.entrypoints.http_server import app
+
+    split = split_from_env(env)
+    lowest = int(env[MOVABLE_ENV])
+    folder = Path(env[SPLIT_DIR_ENV])
+    control = BoundaryControl(folder, create=True, boundary=split.boundary,
+                              num_layers=split.num_layers)  # fmt: skip
+
+    async def get_boundary() -> JSONResponse:
+        return JSONResponse(state(control, lowest))
+
+    async def post_boundary(request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+        except ValueError:  # not JSON at all
+            body = None
+        try:
+            boundary = checked_boundary(body, lowest, split.num_layers)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        control.request(boundary)
+        return JSONResponse(state(control, lowest))
+
+    app.add_api_route(ROUTE, get_boundary, methods=["GET"])
+    app.add_api_route(ROUTE, post_boundary, methods=["POST"])
+    return folder
