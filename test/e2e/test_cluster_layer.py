@@ -1,9 +1,11 @@
 """``--migration layer`` on a real 2P+1D cluster pinned to two cores: the decode instance runs
 as two pipeline stages, layers [0, 1) of the tiny model on its own core 0 and [1, 2) on
 prefill-1's core 1, and still answers token for token like one plain instance (handed-off and
-direct requests, streaming too). When a stage dies mid-generation, its requests end with a
-clear error, the cluster keeps serving, and the instance comes back whole on its own core
-(boundary L). The layout's unit tests are ``unit/test_layer_lending.py``.
+direct requests, streaming too), at its start boundary and after the admin moved it
+(``POST /migration``). When a stage dies mid-generation, its requests end with a clear error,
+the cluster keeps serving, and the instance comes back whole on its own core (boundary L, no
+longer moved). The controller is off here (its decisions are ``unit/test_layer_loop.py``'s);
+the layout's unit tests are ``unit/test_layer_lending.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ pytestmark = pytest.mark.skipif(
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("migration-layer")
     with running_cluster(tiny_model, logs, "--migration", "layer") as running:
+        # Before the controller's first move can be warranted (5 s): the tests move by hand.
+        frozen = {"controller": "off", "reset": True}
+        answer = requests.post(f"{running.url}/migration", json=frozen, timeout=30)
+        assert answer.status_code == 200, answer.text
         yield running
 
 
@@ -66,15 +72,32 @@ def test_the_layout_is_reported_and_the_stages_are_pinned(cluster: Cluster) -> N
     state = requests.get(f"{cluster.url}/migration", timeout=30).json()
     assert (state["mode"], state["boundary"], state["num_layers"]) == ("layer", 1, 2)
     assert state["stage_cores"] == {"decode-0": [[0], [1]]}
-    refused = requests.post(f"{cluster.url}/migration", json={"controller": "on"}, timeout=30)
-    assert refused.status_code == 409 and "fixed at start" in refused.text
+    assert state["boundaries"] == {"decode-0": 1} and state["controller"] == "off"
     decode = cluster.instance("decode-0")
     assert decode["cores"] == [0, 1] and "--pp-layer-boundary" in decode["args"]
+    assert "--pp-min-boundary" in decode["args"]
     stages = stage_processes(cluster.state()["pids"]["decode-0"])
     assert sorted(stages) == [0, 1]
     for rank, process in stages.items():
         masks = thread_masks(process)
         assert masks == {frozenset({rank})}, (rank, masks)
+
+
+def test_a_moved_boundary_still_matches_a_plain_instance(cluster: Cluster, server: Server) -> None:
+    """The admin moves decode-0's boundary to L (stage 1 runs no layer, holds no weights)
+    and back to 1 (layer 1's weights go back to stage 1); both answer like a plain
+    instance."""
+    prompt = "A quiet river"
+    expected = generate(server.url, prompt, sampling_params=LONG_OUT)["output_ids"]
+    for boundary in (2, 1):
+        move = {"instance": "decode-0", "boundary": boundary}
+        answer = requests.post(f"{cluster.url}/migration", json=move, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert generate(cluster.url, prompt, sampling_params=LONG_OUT)["output_ids"] == expected
+        state = requests.get(f"{cluster.url}/migration", timeout=30).json()
+        assert state["boundaries"] == {"decode-0": boundary}  # as the instance reports it
+        assert state["history"][-1]["reason"] == "admin"
+    assert state["moves"] >= 2 and state["bytes_moved"] > 0  # 2 -> 1 sent layer 1's weights
 
 
 def stream_events(url: str, prompt: str, started: threading.Semaphore) -> list[dict]:
@@ -121,6 +144,9 @@ def test_a_killed_stage_ends_its_requests_clearly_and_the_instance_comes_back_wh
     state = requests.get(f"{cluster.url}/migration", timeout=30).json()
     assert state["boundaries"] == {"decode-0": 2} and state["stage_cores"] == {"decode-0": [[0]]}
     assert state["history"][-1]["reason"].startswith("the instance died")
+    refused = requests.post(f"{cluster.url}/migration",
+                            json={"instance": "decode-0", "boundary": 1}, timeout=30)  # fmt: skip
+    assert refused.status_code == 409 and "does not run as two stages" in refused.text
     before = decode["routed"]
     for prompt in ["The quick brown fox", long_prompt(seed=708)]:
         expected = generate(server.url, prompt, sampling_params=LONG_OUT)["output_ids"]

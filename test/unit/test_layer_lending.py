@@ -5,7 +5,6 @@ is ``e2e/test_cluster_layer.py``."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from banaserve.router.load import InstanceLoad
 from banaserve.server.pipeline_options import THREADS_BIND_ENV, LayerSplit, lending_split
 
 SPLIT = LayerSplit(15, 30)
-PP_FLAGS = ("--pp-size", "2", "--pp-layer-boundary", "15")
+PP_FLAGS = ("--pp-size", "2", "--pp-layer-boundary", "15", "--pp-min-boundary", "1")
 
 
 def pinned(prefill: int, decode: int) -> list[InstanceSpec]:
@@ -44,7 +43,7 @@ def test_the_decode_instance_lends_its_later_layers_to_the_prefill_core_of_its_o
     assert decode_0.cores == (0, 1) and decode_0.args == PP_FLAGS
     assert dict(decode_0.env) == {THREADS_BIND_ENV: "0|1"}  # stage 0 on its own core
     argv = instance_argv(decode_0, ["--model-path", "m"])
-    assert argv[:3] == ["taskset", "-c", "0,1"] and argv[-4:] == list(PP_FLAGS)
+    assert argv[:3] == ["taskset", "-c", "0,1"] and argv[-6:] == list(PP_FLAGS)
     env = instance_env(decode_0, {"PATH": "/bin"})
     assert env[THREADS_BIND_ENV] == "0|1" and env["PATH"] == "/bin"
     layout = layer_layout(specs, SPLIT)
@@ -100,29 +99,6 @@ def test_the_launcher_checks_layer_mode_before_starting_anything(
         with pytest.raises(SystemExit) as exit_:
             plan_launch([*cluster, *bad])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_migration_reports_the_fixed_layout_and_refuses_moves() -> None:
-    from support.gateway import gateway_for, post
-
-    specs = lend_decode_layers(pinned(2, 1), SPLIT)
-
-    async def scenario() -> tuple:
-        async with gateway_for(specs, fixed_migration=layer_layout(specs, SPLIT)) as url:
-            import aiohttp
-
-            async with aiohttp.ClientSession() as session:
-                async with session.get(f"{url}/migration") as answer:
-                    state = await answer.json()
-                async with session.get(f"{url}/metrics") as answer:
-                    metrics = await answer.text()
-            refused = await post(f"{url}/migration", {"controller": "on"})
-        return state, metrics, refused
-
-    state, metrics, (status, text) = asyncio.run(scenario())
-    assert state["mode"] == "layer" and state["stage_cores"] == {"decode-0": [[0], [1]]}
-    assert "banaserve_migration_moves_total 0" in metrics
-    assert status == 409 and "fixed at start" in text
 
 
 def test_an_instance_that_died_comes_back_whole_on_its_own_cores(

@@ -45,7 +45,7 @@ from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
 from banaserve.cluster.http_errors import error_response, unavailable
 from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
 from banaserve.cluster.load_board import LoadBoard
-from banaserve.cluster.migration_loop import RoleMigration
+from banaserve.cluster.migration_loop import MigrationLoop
 from banaserve.cluster.poison import PoisonGuard
 from banaserve.cluster.prometheus import render_metrics
 from banaserve.cluster.relay_bodies import computed_prompt_tokens, prefill_body
@@ -116,8 +116,7 @@ class Gateway:
         deaths: InstanceDeaths | None = None,
         guard: PoisonGuard | None = None,
         clear_store: ClearStore | None = None,
-        migration: RoleMigration | None = None,
-        fixed_migration: dict[str, Any] | None = None,
+        migration: MigrationLoop | None = None,
         spill_prefill: bool = SPILL_PREFILL,
     ) -> None:
         self.board = board
@@ -130,9 +129,7 @@ class Gateway:
         self.counters = GatewayCounters()
         self.failover = Failover(board, self.counters, deaths, guard)
         self.session: aiohttp.ClientSession | None = None
-        self.migration = migration  # None: --migration off, or layer (fixed_migration)
-        #: ``--migration layer``'s layout, fixed at start: what /migration reports.
-        self.fixed_migration = fixed_migration
+        self.migration = migration  # None: --migration off
 
     # -- app ---------------------------------------------------------------------------------
 
@@ -456,7 +453,7 @@ class Gateway:
     def migration_state(self) -> dict[str, Any]:
         if self.migration is not None:
             return self.migration.state()
-        return self.fixed_migration or {"mode": "off"}
+        return {"mode": "off"}
 
     async def handle_migration(self, request: web.Request) -> web.Response:
         """``--migration``'s state and admin calls: see :mod:`banaserve.cluster.migration_loop`."""
@@ -465,10 +462,7 @@ class Gateway:
         if self.migration is not None:
             return await self.migration.handle_get(request)
         if request.method == "POST":
-            message = "migration is off: start the cluster with --migration role"
-            if self.fixed_migration is not None:
-                message = ("the layer boundary is fixed at start (--pp-layer-boundary): moving "
-                           "it at run time is not implemented yet")  # fmt: skip
+            message = "migration is off: start the cluster with --migration role or layer"
             return web.json_response({"message": message}, status=409)
         return web.json_response(self.migration_state())
 

@@ -21,7 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -35,6 +35,21 @@ logger = logging.getLogger("banaserve.cluster")
 TICK_S = 1.0
 #: Moves kept for ``GET /migration``.
 HISTORY = 200
+
+
+class MigrationLoop(Protocol):
+    """What the gateway needs of a ``--migration`` mode: its loop (run as a task until the
+    gateway stops), its state (``/migration``, ``/cluster``, ``/metrics``: ``mode``,
+    ``moves``, ``bytes_moved``, ``utilisation`` at least) and the admin calls. Confined to
+    the gateway's event loop."""
+
+    async def run_forever(self) -> None: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    async def handle_get(self, request: web.Request) -> web.Response: ...
+
+    async def handle_post(self, request: web.Request) -> web.Response: ...
 
 
 class MigrationRefused(Exception):
@@ -198,15 +213,17 @@ class RoleMigration:
 
 
 def migration_metrics(state: dict[str, Any]) -> list[str]:
-    """Prometheus lines of :meth:`RoleMigration.state`."""
+    """Prometheus lines of a :class:`MigrationLoop`'s state."""
     lines = ["# HELP banaserve_migration_moves_total Instances moved between roles.",
              "# TYPE banaserve_migration_moves_total counter",
              f"banaserve_migration_moves_total {state['moves']}",
              "# HELP banaserve_migration_bytes_moved_total Bytes copied by migration moves.",
              "# TYPE banaserve_migration_bytes_moved_total counter",
              f"banaserve_migration_bytes_moved_total {state['bytes_moved']}",
-             "# HELP banaserve_migration_utilisation Smoothed utilisation of each role.",
+             "# HELP banaserve_migration_utilisation Smoothed utilisation of each role (role "
+             "migration) or core (layer migration).",
              "# TYPE banaserve_migration_utilisation gauge"]  # fmt: skip
-    for role, value in state["utilisation"].items():
-        lines.append(f'banaserve_migration_utilisation{{role="{role}"}} {float(value):g}')
+    label = "role" if state.get("mode") == "role" else "core"
+    for key, value in state["utilisation"].items():
+        lines.append(f'banaserve_migration_utilisation{{{label}="{key}"}} {float(value):g}')
     return lines

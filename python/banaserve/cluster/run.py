@@ -26,8 +26,10 @@ from aiohttp import web
 
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.intake import Intake, load_tokenizer, model_vocab_size
+from banaserve.cluster.layer_loop import LayerLending, LayerMigration
 from banaserve.cluster.leftovers import LeftoverLedger, clean_up
 from banaserve.cluster.load_board import LoadBoard, poll_forever
+from banaserve.cluster.migration_loop import RoleMigration
 from banaserve.cluster.processes import Child, ClusterProcesses, default_log_dir
 from banaserve.cluster.reaper import Reaper
 from banaserve.cluster.supervisor import Supervisor
@@ -39,7 +41,6 @@ from banaserve.cluster.topology import (
     lend_decode_layers,
     plan_cores,
     plan_instances,
-    record_fallback,
 )
 from banaserve.platform import cpu_platform_wanted
 from banaserve.router.placement import NoStorePlacer, Placer
@@ -135,11 +136,11 @@ def run_cluster(
     while len(ports) < count:
         ports.add(free_port())
     specs = plan_instances(options.num_prefill, options.num_decode, sorted(ports), cores)
-    fixed_migration = None
+    lending = None
     if options.migration == "layer":
         split = lending_split(args.pp_layer_boundary, args.pp_size, Path(model_path))
         specs = lend_decode_layers(specs, split)
-        fixed_migration = layer_layout(specs, split)
+        lending = LayerLending(split, layer_layout(specs, split), cpu_dtype(args.dtype))
     log_dir = Path(options.log_dir) if options.log_dir else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     logger.info("cluster logs in %s", log_dir)
@@ -160,7 +161,7 @@ def run_cluster(
         launch = instance_launch_argv(
             argv, store, urls, model_path, count, args.kv_pool_memory_fraction
         )
-        if fixed_migration is not None:
+        if lending is not None:
             launch = drop_flags(launch, (BOUNDARY_FLAG,), ())  # the decode instances' alone
         env = dict(os.environ)
         if token:
@@ -173,7 +174,7 @@ def run_cluster(
         asyncio.run(
             serve_gateway(
                 processes, specs, options, urls, token, model_path,
-                args.host or "127.0.0.1", args.port or 30000, ledger, fixed_migration,
+                args.host or "127.0.0.1", args.port or 30000, ledger, lending,
             )
         )  # fmt: skip
     finally:
@@ -216,7 +217,7 @@ async def model_limits(
 async def serve_gateway(
     processes: ClusterProcesses, specs: list[Any], options: ClusterOptions, urls: list[str],
     token: str | None, model_path: str, host: str, port: int, ledger: LeftoverLedger,
-    fixed_migration: dict[str, Any] | None = None,
+    lending: LayerLending | None = None,
 ) -> None:  # fmt: skip
     import aiohttp
 
@@ -243,8 +244,8 @@ async def serve_gateway(
             return r.status == 200
 
     def respecced(spec: InstanceSpec) -> None:
-        if fixed_migration is not None:
-            record_fallback(fixed_migration, spec, time.monotonic())
+        if isinstance(migration, LayerMigration):
+            migration.record_fallback(spec, time.monotonic())
 
     supervisor = Supervisor(processes, board, ready, options.restart_policy, ledger,
                             on_respecced=respecced)  # fmt: skip
@@ -255,11 +256,13 @@ async def serve_gateway(
         return {"store": stats, "log_dir": str(processes.log_dir), "pids": pids}
 
     placer_class = Placer if store_client is not None else NoStorePlacer
-    migration = None
+    migration: RoleMigration | LayerMigration | None = None
     if options.migration == "role":
-        from banaserve.cluster.migration_loop import RoleMigration
-
         migration = RoleMigration.for_board(board)
+    elif lending is not None:
+        migration = LayerMigration.for_cluster(
+            board, specs, lending.split, lending.layout, Path(model_path), lending.dtype
+        )
     gateway = Gateway(
         board,
         make_policy(options.router_policy, PREFILL),
@@ -270,7 +273,6 @@ async def serve_gateway(
         supervisor,
         clear_store=store_client.clear if store_client is not None else None,
         migration=migration,
-        fixed_migration=fixed_migration,
         spill_prefill=options.spill_prefill,
     )
     runner = web.AppRunner(gateway.app(), access_log=None)

@@ -11,11 +11,15 @@ from banaserve.router.base import Role
 from banaserve.server.pipeline_options import (
     BOUNDARY_FLAG,
     BOUNDARY_PP_SIZE,
+    MIN_BOUNDARY_FLAG,
     THREADS_BIND_ENV,
     LayerSplit,
 )
 
 PREFILL, DECODE = Role.PREFILL, Role.DECODE
+#: The smallest boundary a split instance of the cluster may move to: its second stage holds
+#: buffers for layers [MIN_BOUNDARY, L) (the KV the stages share is mapped once).
+MIN_BOUNDARY = 1
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,9 @@ def plan_instances(
 
 
 def lend_decode_layers(specs: list[InstanceSpec], split: LayerSplit) -> list[InstanceSpec]:
-    """``--migration layer``'s layout: each decode instance runs as two pipeline stages,
-    layers [0, k) on its own cores and [k, L) on the cores of a prefill instance that has
+    """``--migration layer``'s layout: each decode instance runs as two pipeline stages whose
+    boundary moves (down to :data:`MIN_BOUNDARY`), starting with layers [0, k) on its own
+    cores and [k, L) on the cores of a prefill instance that has
     cores to itself (with 2 prefill + 1 decode on two cores: prefill-1's core 1), so decode
     work reaches a core that prefills leave idle. Stage 0 stays on the decode instance's own
     cores (``SGLANG_CPU_OMP_THREADS_BIND`` set in that order, which the instance's launcher
@@ -88,7 +93,8 @@ def lend_decode_layers(specs: list[InstanceSpec], split: LayerSplit) -> list[Ins
     lenders = [
         s for s in specs if s.role == PREFILL and s.cores and all(uses[c] == 1 for c in s.cores)
     ]
-    flags = ("--pp-size", str(BOUNDARY_PP_SIZE), BOUNDARY_FLAG, str(split.boundary))
+    flags = ("--pp-size", str(BOUNDARY_PP_SIZE), BOUNDARY_FLAG, str(split.boundary),
+             MIN_BOUNDARY_FLAG, str(MIN_BOUNDARY))  # fmt: skip
     out = []
     for spec in specs:
         if spec.role != DECODE:
@@ -114,14 +120,15 @@ def lend_decode_layers(specs: list[InstanceSpec], split: LayerSplit) -> list[Ins
 def layer_layout(specs: list[InstanceSpec], split: LayerSplit) -> dict[str, Any]:
     """``--migration layer``'s state for ``/migration`` and ``/cluster``: the boundary it
     started with (``boundary``) and where each two-stage instance's is now (``boundaries``),
-    and the cores of its stages."""
+    and the cores of its stages (:class:`banaserve.cluster.layer_loop.LayerMigration` keeps
+    it up to date)."""
     stages = {}
     for spec in specs:
         bind = dict(spec.env).get(THREADS_BIND_ENV)
         if spec.role == DECODE and bind is not None:
             stages[spec.name] = [[int(c) for c in part.split(",")] for part in bind.split("|")]
     return {
-        "mode": "layer", "controller": "off", "boundary": split.boundary,
+        "mode": "layer", "controller": "on", "boundary": split.boundary,
         "num_layers": split.num_layers, "stage_cores": stages,
         "boundaries": {spec.name: split.boundary for spec in specs if spec.unsplit},
         "moves": 0, "bytes_moved": 0, "utilisation": {}, "history": [],

@@ -220,6 +220,15 @@ class LayerController:
         self.boundary[url] = k
         self.warranted_since.pop(url, None)
 
+    def retire(self, url: str) -> None:
+        """``url`` runs whole on its own cores from now on (a stage died and it restarted as
+        one): no longer split, its work counted on its home cores."""
+        split = self._splits.pop(url)
+        self.splits = [s for s in self.splits if s.url != url]
+        self.boundary.pop(url, None)
+        self.warranted_since.pop(url, None)
+        self.cores = {**self.cores, url: split.home_cores}
+
     def forget(self) -> None:
         """Start afresh (caches cleared between benchmark runs): no demand, no dwelling, no
         pending move; boundaries stay where the instances have them."""

@@ -56,6 +56,20 @@ def kv_bytes_per_token(model_dir: Path, dtype: str = "auto") -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes(config, dtype)
 
 
+def layer_weight_bytes(model_dir: Path, dtype: str = "auto") -> int:
+    """The parameter bytes of one decoder layer of the (Llama-shaped) model in ``model_dir``:
+    its attention and MLP projections and its two norms (what a layer move sends)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    hidden, inner = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    params = 2 * hidden * q + 2 * hidden * kv + 3 * hidden * inner + 2 * hidden
+    return params * dtype_bytes(config, dtype)
+
+
 def dtype_bytes(config: dict, dtype: str = "auto") -> int:
     """Bytes per element of ``dtype``; ``auto`` means the dtype the model config stores."""
     if dtype == "auto":

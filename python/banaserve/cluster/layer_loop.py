@@ -1,0 +1,274 @@
+"""``--migration layer`` in the gateway: every :data:`TICK_S` the layer controller
+(:mod:`banaserve.migration.layer_controller`) reads the board's records and may move a split
+instance's boundary, which the gateway asks of the instance (``POST /pp_boundary``: see
+:mod:`banaserve.platform.pp_movable`); ``GET /migration`` reports the layout, where each
+boundary is (as the instances report it) and the history, ``POST /migration`` is the
+admin's.
+
+``POST /migration`` takes a JSON object with either or both of:
+
+- ``"controller": "on" | "off"``: whether the controller moves boundaries;
+- ``"instance": NAME, "boundary": K``: move that split instance's boundary now (it then
+  dwells there like after a controller move); 409 for an instance that is not split (any
+  more);
+- ``"reset": true``: every split instance back to the boundary it started at, and the
+  controller's memory forgotten, as between two benchmark runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from banaserve.cluster.migration_loop import HISTORY, TICK_S, MigrationRefused
+from banaserve.cluster.topology import MIN_BOUNDARY, InstanceSpec, record_fallback
+from banaserve.migration.layer_controller import LayerController, LayerMove, SplitInstance
+from banaserve.router.board import Board
+from banaserve.server.kv_pool_sizing import layer_weight_bytes
+from banaserve.server.pipeline_options import LayerSplit
+
+logger = logging.getLogger("banaserve.cluster")
+
+#: Seconds an instance has to answer a boundary move or a state read.
+INSTANCE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class LayerLending:
+    """What ``--migration layer`` decided before anything started: the split each decode
+    instance starts at, the layout ``/migration`` reports (updated in place), and the dtype
+    the instances run (which sizes a layer's weights)."""
+
+    split: LayerSplit
+    layout: dict[str, Any]
+    dtype: str
+
+
+def split_instances(specs: list[InstanceSpec], split: LayerSplit, weight_bytes: int,
+                    ) -> list[SplitInstance]:  # fmt: skip
+    """The controller's view of each pinned split instance: layers [0, k) on its own cores,
+    [k, L) on the ones it borrows. A move sends weights only: the stages map the KV."""
+    out = []
+    for spec in specs:
+        if spec.unsplit is None or not spec.cores or not spec.unsplit.cores:
+            continue
+        home = spec.unsplit.cores
+        out.append(SplitInstance(
+            spec.url, split.num_layers, home, spec.cores[len(home):], MIN_BOUNDARY,
+            layer_weight_bytes=weight_bytes, kv_bytes_per_token_layer=0,
+        ))  # fmt: skip
+    return out
+
+
+class LayerMigration:
+    """The controller's loop and the admin API of one cluster's split instances.
+
+    Owns the controller, the layout (:func:`banaserve.cluster.topology.layer_layout`, which
+    ``state`` reports) and the history; the board is the gateway's. Confined to the
+    gateway's event loop: nothing is locked; a tick waits for the instances' answers
+    (at most :data:`INSTANCE_TIMEOUT_S` each).
+    """
+
+    def __init__(self, board: Board, controller: LayerController, layout: dict[str, Any],
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.board = board
+        self.controller = controller
+        self.layout = layout
+        self.clock = clock
+        self.enabled = True
+        self.start = dict(layout["boundaries"])  # name -> the boundary it started at
+        self._by_name = {spec.name: spec for spec in board.specs}
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def for_cluster(
+        cls, board: Board, specs: list[InstanceSpec], split: LayerSplit, layout: dict[str, Any],
+        model_path: Path, dtype: str,
+    ) -> LayerMigration:  # fmt: skip
+        splits = split_instances(specs, split, layer_weight_bytes(model_path, dtype))
+        split_urls = {s.url for s in splits}
+        cores = {s.url: tuple(s.cores) for s in specs if s.cores and s.url not in split_urls}
+        controller = LayerController(
+            splits, cores=cores, boundary={s.url: split.boundary for s in splits}
+        )
+        return cls(board, controller, layout)
+
+    def name_of(self, url: str) -> str:
+        return next((s.name for s in self.board.specs if s.url == url), url)
+
+    def records(self) -> list[Any]:
+        roles = {spec.role for spec in self.board.specs}
+        return [load for role in sorted(roles) for load in self.board.candidates(role)]
+
+    async def tick(self) -> list[LayerMove]:
+        """One controller step, its moves asked of the instances (none while off); a move an
+        instance does not take is forgotten (the controller keeps its boundary)."""
+        await self.refresh()
+        if not self.enabled:
+            return []
+        moves = self.controller.step(self.records(), self.clock())
+        for move in moves:
+            if not await self._ask(move):
+                self.controller.set_boundary(move.url, move.from_boundary)
+        return moves
+
+    async def run_forever(self) -> None:
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=INSTANCE_TIMEOUT_S)
+        ) as session:
+            self._session = session
+            while True:
+                await asyncio.sleep(TICK_S)
+                try:
+                    await self.tick()
+                except Exception:  # a controller bug must not stop serving
+                    logger.exception("layer migration step failed")
+
+    async def refresh(self) -> None:
+        """Each split instance's boundary as it reports it (``applied``: where its last
+        micro-batch ran)."""
+        for name in list(self.layout["boundaries"]):
+            if name not in self.start:
+                continue  # restarted whole: no boundary to read
+            state = await self._call("GET", self._by_name[name].url)
+            if state is not None:
+                self.layout["boundaries"][name] = state["applied"]
+
+    def move(self, name: str, boundary: object) -> LayerMove:
+        """The admin's move of ``name`` to ``boundary`` (checked, not yet asked)."""
+        spec = self._by_name.get(name)
+        if spec is None:
+            raise MigrationRefused(
+                f"no instance named {name!r}; instances: {sorted(self._by_name)}"
+            )
+        if name not in self.start:
+            raise MigrationRefused(f"{name} does not run as two stages (any more)", status=409)
+        layers = self.layout["num_layers"]
+        if isinstance(boundary, bool) or not isinstance(boundary, int):
+            raise MigrationRefused(f"'boundary' must be an integer, got {boundary!r}")
+        if not MIN_BOUNDARY <= boundary <= layers:
+            raise MigrationRefused(f"'boundary' must be between {MIN_BOUNDARY} and {layers}, "
+                                   f"got {boundary}")  # fmt: skip
+        split = next((s for s in self.controller.splits if s.url == spec.url), None)
+        if split is None:
+            raise MigrationRefused(f"{name} is not pinned: start the cluster with pinned cores "
+                                   "to move its boundary", status=409)  # fmt: skip
+        now = self.clock()
+        before = self.controller.boundary[spec.url]
+        peak = self.controller.peak(self.controller.boundary)
+        after = self.controller.peak({**self.controller.boundary, spec.url: boundary})
+        move = LayerMove(spec.url, before, boundary, now, peak, after,
+                         split.move_bytes(before, boundary, 0), reason="admin")  # fmt: skip
+        self.controller.set_boundary(spec.url, boundary)
+        self.controller.moved_at[spec.url] = now
+        return move
+
+    async def reset(self) -> None:
+        """Every split instance back at its start boundary; the controller starts afresh."""
+        for name, boundary in self.start.items():
+            url = self._by_name[name].url
+            if self.controller.boundary.get(url) != boundary:
+                await self._call("POST", url, boundary)
+                self.controller.set_boundary(url, boundary)
+        self.controller.forget()
+        logger.info("layer migration: every split instance back at its start boundary")
+
+    def record_fallback(self, whole: InstanceSpec, at: float) -> None:
+        """``whole`` restarted as one stage on its own cores (a stage died): the boundary is
+        L for good and the controller no longer moves it."""
+        record_fallback(self.layout, whole, at)
+        self.start.pop(whole.name, None)
+        if any(s.url == whole.url for s in self.controller.splits):
+            self.controller.retire(whole.url)
+
+    async def _ask(self, move: LayerMove) -> bool:
+        """Ask the instance for ``move``'s boundary; True when it took it."""
+        if await self._call("POST", move.url, move.to_boundary) is None:
+            return False
+        history = self.layout["history"]
+        history.append({"instance": self.name_of(move.url), **move.to_json()})
+        del history[:-HISTORY]
+        self.layout["moves"] += 1
+        self.layout["bytes_moved"] += move.bytes_moved
+        logger.info(
+            "layer migration: %s boundary %d -> %d (%s; peak utilisation %.2f -> %.2f)",
+            self.name_of(move.url), move.from_boundary, move.to_boundary, move.reason,
+            move.peak_before, move.peak_after,
+        )  # fmt: skip
+        return True
+
+    async def _call(self, method: str, url: str, boundary: int | None = None) -> Any:
+        """The instance's answer to ``/pp_boundary`` (JSON), or None when it gave none."""
+        session = self._session
+        temporary = session is None  # an admin call before the loop runs
+        if session is None:
+            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=INSTANCE_TIMEOUT_S))
+        body = None if boundary is None else {"boundary": boundary}
+        try:
+            async with session.request(method, f"{url}/pp_boundary", json=body) as answer:
+                if answer.status == 200:
+                    return await answer.json()
+                logger.warning("%s /pp_boundary of %s: %d %s", method, self.name_of(url),
+                               answer.status, await answer.text())  # fmt: skip
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            logger.warning("%s /pp_boundary of %s failed: %s", method, self.name_of(url), exc)
+        finally:
+            if temporary:
+                await session.close()
+        return None
+
+    def state(self) -> dict[str, Any]:
+        utilisation = self.controller.utilisation(self.controller.boundary)
+        return {
+            **self.layout,
+            "controller": "on" if self.enabled else "off",
+            "utilisation": {str(core): round(u, 3) for core, u in utilisation.items()},
+        }
+
+    async def handle_get(self, _: web.Request) -> web.Response:
+        await self.refresh()  # the boundaries as the instances have them now, not a tick ago
+        return web.json_response(self.state())
+
+    async def handle_post(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read() or b"{}")
+            if not isinstance(body, dict) or not body:
+                raise MigrationRefused("expected a JSON object with 'controller' and/or "
+                                       "'instance' and 'boundary', or 'reset'")  # fmt: skip
+            unknown = set(body) - {"controller", "instance", "boundary", "reset"}
+            if unknown:
+                raise MigrationRefused(f"unknown field(s) {sorted(unknown)}")
+            controller = body.get("controller")
+            if controller not in (None, "on", "off"):
+                raise MigrationRefused(f"'controller' must be 'on' or 'off', got {controller!r}")
+            if ("instance" in body) != ("boundary" in body):
+                raise MigrationRefused("'instance' and 'boundary' go together")
+            if body.get("reset", False) is not False and body.get("reset") is not True:
+                raise MigrationRefused(f"'reset' must be true, got {body['reset']!r}")
+            if body.get("reset") and "instance" in body:
+                raise MigrationRefused("'reset' and a move ('instance', 'boundary') go separately")
+            move = (
+                self.move(str(body["instance"]), body["boundary"]) if "instance" in body else None
+            )
+            if body.get("reset"):
+                await self.reset()
+            if move is not None and not await self._ask(move):
+                self.controller.set_boundary(move.url, move.from_boundary)
+                raise MigrationRefused(f"{body['instance']} did not take the move", status=502)
+            if controller is not None:
+                self.enabled = controller == "on"
+        except json.JSONDecodeError as exc:
+            return web.json_response({"message": f"invalid JSON: {exc}"}, status=400)
+        except MigrationRefused as exc:
+            return web.json_response({"message": str(exc)}, status=exc.status)
+        await self.refresh()
+        return web.json_response(self.state())
