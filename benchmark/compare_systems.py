@@ -75,6 +75,13 @@ class SystemSpec:
     prefill: int = NUM_PREFILL
     decode: int = NUM_DECODE
 
+    @property
+    def migrates(self) -> bool:
+        """Runs ``--migration role`` or ``layer``: reset between workloads and runs, and its
+        moves counted."""
+        flags = list(self.extra)
+        return "--migration" in flags and flags[flags.index("--migration") + 1] != "off"
+
 
 def known_systems() -> dict[str, SystemSpec]:
     specs = [
@@ -82,7 +89,8 @@ def known_systems() -> dict[str, SystemSpec]:
         SystemSpec("banaserve_linker", "banaserve", extra=("--kv-store-mode", "linker"), ours=True),
         # Whole instances change role as the load turns (migration, mechanism 4).
         SystemSpec("banaserve_role", "banaserve", extra=("--migration", "role"), ours=True),
-        # The decode instance runs its later layers on prefill-1's core (a fixed split).
+        # The decode instance runs its later layers on prefill-1's core, the boundary moved by
+        # the layer controller.
         SystemSpec("banaserve_layer", "banaserve", extra=("--migration", "layer"), ours=True),
         # Long requests too run on whichever instance's cores are least busy, prefill
         # instances included (decided per request at route time, not by a controller).
@@ -175,7 +183,8 @@ def flush_instances(urls: list[str], l3: bool = False) -> None:
 
 def clear_banaserve(url: str, migrates: bool) -> None:
     """Every cache of the cluster cold, and with migration every instance back in its home
-    role: a workload must not start where the last one left the roles."""
+    role (or at its start boundary): a workload must not start where the last one left
+    them."""
     post_until_done(f"{url}/clear_caches")
     if migrates:
         request = urllib.request.Request(
@@ -223,7 +232,7 @@ def start_banaserve(
         no_store = "none" in spec.extra
         yield Running(
             url, by_role["prefill"], by_role["decode"],
-            clear=lambda: clear_banaserve(url, "role" in spec.extra),
+            clear=lambda: clear_banaserve(url, spec.migrates),
             stop=process.stop,
             answering=[True] * len(state["instances"]),
             cache_budget=f"KV {budget.kv_tokens} tok x {spec.prefill + spec.decode}" + (

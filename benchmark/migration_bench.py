@@ -48,7 +48,8 @@ MODES = {
                                      decode=1),
     "banaserve_1p1d_role": SystemSpec("banaserve_1p1d_role", "banaserve", ours=True, prefill=1,
                                       decode=1, extra=("--migration", "role")),
-    # The decode instance runs layers [L/2, L) on the prefill instance's core (fixed split).
+    # The decode instance runs layers [k, L) on the prefill instance's core, k moved by the
+    # layer controller (from L/2).
     "banaserve_1p1d_layer": SystemSpec("banaserve_1p1d_layer", "banaserve", ours=True,
                                        prefill=1, decode=1, extra=("--migration", "layer")),
     # No controller: every request, long ones too, may run on the instance whose core is less
@@ -122,7 +123,7 @@ def measure(spec: SystemSpec, args: argparse.Namespace, requests: list, budget: 
                 if not runs:
                     raise
                 break
-            migrates = "role" in spec.extra  # clear() put every instance home
+            migrates = spec.migrates  # clear() put every instance home
             before = get_json(f"{running.url}/migration") if migrates else {}
             outcomes, duration, timeline = asyncio.run(one_run(running.url, requests, ours))
             summary = summarise(outcomes, duration, SLO)

@@ -10,15 +10,14 @@ one OpenMP thread per stage, which bit-exactness needs.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from banaserve.migration.boundary_control import split_dir_for
+from banaserve.server.kv_pool_sizing import layer_weight_bytes
 from support.pipeline import LAYERS, MIN_BOUNDARY, MOVABLE_START, generate, streamed
 from support.servers import Server
 
@@ -66,15 +65,6 @@ def wait_applied(server: Server, boundary: int) -> dict:
         assert time.monotonic() < deadline, f"boundary {boundary} not applied: {state}"
         time.sleep(0.005)
     return state
-
-
-def layer_weight_bytes(model: Path) -> int:
-    """One decoder layer's parameter bytes (float32): attention, MLP and its two norms."""
-    config = json.loads((model / "config.json").read_text())
-    hidden, inner = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim", hidden // config["num_attention_heads"])
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    return 4 * (2 * hidden * q + 2 * hidden * kv + 3 * hidden * inner + 2 * hidden)
 
 
 def test_it_starts_at_its_boundary(servers: tuple[Server, Server]) -> None:
@@ -149,7 +139,7 @@ def test_a_move_down_sends_the_moved_layers_weights(servers: tuple[Server, Serve
     """8 -> 3 sends layers [3, 8) (the second stage held none at k = L); 3 -> 5 sends
     nothing (the second stage frees layers [3, 5)); 5 -> 4 sends layer 4 again."""
     _, movable = servers
-    per_layer = layer_weight_bytes(movable.model_path)
+    per_layer = layer_weight_bytes(movable.model_path, "float32")  # the CPU default
     for boundary, sent_layers in ((LAYERS, 0), (3, LAYERS - 3), (5, 0), (4, 1)):
         before = boundary_state(movable)
         move(movable, boundary)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench_bursts import off_until
-from compare_systems import Budget, instance_argv, known_systems
+from compare_systems import Budget, SystemSpec, instance_argv, known_systems
 from compare_workloads import SWEEP_RATES, sweep_workloads, workloads
 
 
@@ -88,3 +88,10 @@ def test_burst_schedule() -> None:
     assert off_until(100.0, 106.0, 6.0, 12.0) == pytest.approx(12.0)
     assert off_until(100.0, 115.0, 6.0, 12.0) == pytest.approx(3.0)
     assert off_until(100.0, 118.5, 6.0, 12.0) == 0.0  # the second burst
+
+
+def test_systems_that_migrate_are_reset_between_runs() -> None:
+    systems = known_systems()
+    assert systems["banaserve_role"].migrates and systems["banaserve_layer"].migrates
+    assert not systems["banaserve"].migrates and not systems["coloc_2_round_robin"].migrates
+    assert not SystemSpec("x", "banaserve", extra=("--migration", "off")).migrates

@@ -97,7 +97,16 @@ def mapped(path: Path, like: Any) -> Any:
     try:
         current = os.fstat(fd).st_size
         if current == 0:
-            os.ftruncate(fd, size)
+            try:
+                # Reserved now: a sparse file on a full tmpfs kills the stage with SIGBUS at
+                # its first write instead (Docker gives /dev/shm 64 MB by default).
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise RuntimeError(
+                    f"no room in {path.parent} for the KV the two stages share ({size} bytes "
+                    f"for one layer: {exc.strerror}): give it more (docker run --shm-size) or "
+                    "the instance a smaller --max-total-tokens"
+                ) from exc
         elif current != size:
             raise RuntimeError(
                 f"{path} holds {current} bytes, this stage's KV layer needs {size}: the two "
