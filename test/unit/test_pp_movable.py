@@ -1,18 +1,16 @@
-"""The movable layer boundary without a server: its shared record, the route's checks, the
-launcher's flags, and the platform's pieces (widened layer ranges, the KV both stages map,
-each stage's side of a move) on small torch modules. Served end to end:
-``e2e/test_pp_movable.py``."""
+"""The movable layer boundary without a server: its shared record, the route's checks, its
+environment (the launcher's plan: ``test_pp_options.py``), and the platform's pieces
+(widened layer ranges, the KV both stages map, each stage's side of a move) on small torch
+modules. Served end to end: ``e2e/test_pp_movable.py``."""
 
 from __future__ import annotations
 
-import json
 import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from banaserve.launch_server import plan_launch
 from banaserve.migration.boundary_control import (
     MOVABLE_ENV,
     SPLIT_DIR_ENV,
@@ -23,7 +21,6 @@ from banaserve.platform import import_hook, pp_movable
 from banaserve.server.boundary_route import checked_boundary
 from banaserve.server.pipeline_options import (
     LAYER_PARTITION_ENV,
-    THREADS_BIND_ENV,
     LayerSplit,
     movable_env,
     split_from_env,
@@ -71,29 +68,6 @@ def test_the_movable_environment(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="must be between 1 and --pp-layer-boundary"):
             movable_env(split, bad, tmp_path)
     assert split_from_env({LAYER_PARTITION_ENV: "6,2"}) == split
-
-
-def test_the_launcher_plans_a_movable_split(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("BANASERVE_PLATFORM", "cpu")
-    monkeypatch.delenv(LAYER_PARTITION_ENV, raising=False)
-    monkeypatch.delenv(THREADS_BIND_ENV, raising=False)
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "hidden_size": 128, "torch_dtype": "float32"}
-    ))  # fmt: skip
-    base = ["--model-path", str(tmp_path), "--pp-size", "2", "--pp-layer-boundary", "6"]
-    plan = plan_launch([*base, "--pp-min-boundary", "2"])
-    assert plan.env[MOVABLE_ENV] == "2"
-    assert plan.env[SPLIT_DIR_ENV].startswith("/dev/shm/banaserve-split-")
-    assert plan.env[LAYER_PARTITION_ENV] == "6,2"
-    assert "--pp-min-boundary" not in plan.sglang_argv
-    assert "the boundary moves between 2 and 8 (GET and POST /pp_boundary)" in plan.notes
-    with pytest.raises(SystemExit):
-        plan_launch([*base, "--pp-min-boundary", "7"])
-    assert "must be between 1 and --pp-layer-boundary (6)" in capsys.readouterr().err
 
 
 def test_each_stage_builds_every_layer_it_may_run(monkeypatch: pytest.MonkeyPatch) -> None:

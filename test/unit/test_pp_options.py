@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from banaserve.launch_server import plan_launch
+from banaserve.migration.boundary_control import MOVABLE_ENV, SPLIT_DIR_ENV
 from banaserve.platform import pp_cpu
 from banaserve.server.pipeline_options import (
     LAYER_PARTITION_ENV,
@@ -121,6 +122,15 @@ def test_the_launcher_plans_the_split(
     with pytest.raises(SystemExit):
         plan_launch([*cluster, "--pp-layer-boundary", "9"])
     assert "must be between 1 and 7" in capsys.readouterr().err
+    # A movable boundary (--pp-min-boundary): the stages' variables and the route's note.
+    movable = plan_launch([*base, "--pp-layer-boundary", "6", "--pp-min-boundary", "2"])
+    assert movable.env[MOVABLE_ENV] == "2" and movable.env[LAYER_PARTITION_ENV] == "6,2"
+    assert movable.env[SPLIT_DIR_ENV].startswith("/dev/shm/banaserve-split-")
+    assert "--pp-min-boundary" not in movable.sglang_argv
+    assert "the boundary moves between 2 and 8 (GET and POST /pp_boundary)" in movable.notes
+    with pytest.raises(SystemExit):
+        plan_launch([*base, "--pp-layer-boundary", "6", "--pp-min-boundary", "7"])
+    assert "must be between 1 and --pp-layer-boundary (6)" in capsys.readouterr().err
     for bad, message in [
         (["--pp-layer-boundary", "3"], "needs --pp-size 2 (got --pp-size 1)"),
         ([*base[2:], "--pp-layer-boundary", "8"], "must be between 1 and 7"),

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from banaserve.cluster.migration_loop import HISTORY, TICK_S, MigrationRefused
+from banaserve.cluster.migration_loop import HISTORY, TICK_S, MigrationRefused, admin_call
 from banaserve.cluster.topology import MIN_BOUNDARY, InstanceSpec, record_fallback
 from banaserve.migration.layer_controller import LayerController, LayerMove, SplitInstance
 from banaserve.router.board import Board
@@ -240,32 +240,15 @@ class LayerMigration:
 
     async def handle_post(self, request: web.Request) -> web.Response:
         try:
-            body = json.loads(await request.read() or b"{}")
-            if not isinstance(body, dict) or not body:
-                raise MigrationRefused("expected a JSON object with 'controller' and/or "
-                                       "'instance' and 'boundary', or 'reset'")  # fmt: skip
-            unknown = set(body) - {"controller", "instance", "boundary", "reset"}
-            if unknown:
-                raise MigrationRefused(f"unknown field(s) {sorted(unknown)}")
-            controller = body.get("controller")
-            if controller not in (None, "on", "off"):
-                raise MigrationRefused(f"'controller' must be 'on' or 'off', got {controller!r}")
-            if ("instance" in body) != ("boundary" in body):
-                raise MigrationRefused("'instance' and 'boundary' go together")
-            if body.get("reset", False) is not False and body.get("reset") is not True:
-                raise MigrationRefused(f"'reset' must be true, got {body['reset']!r}")
-            if body.get("reset") and "instance" in body:
-                raise MigrationRefused("'reset' and a move ('instance', 'boundary') go separately")
-            move = (
-                self.move(str(body["instance"]), body["boundary"]) if "instance" in body else None
-            )
-            if body.get("reset"):
+            call = admin_call(await request.read(), "boundary")
+            move = self.move(call.instance, call.value) if call.instance is not None else None
+            if call.reset:
                 await self.reset()
             if move is not None and not await self._ask(move):
                 self.controller.set_boundary(move.url, move.from_boundary)
-                raise MigrationRefused(f"{body['instance']} did not take the move", status=502)
-            if controller is not None:
-                self.enabled = controller == "on"
+                raise MigrationRefused(f"{call.instance} did not take the move", status=502)
+            if call.controller is not None:
+                self.enabled = call.controller == "on"
         except json.JSONDecodeError as exc:
             return web.json_response({"message": f"invalid JSON: {exc}"}, status=400)
         except MigrationRefused as exc:

@@ -21,6 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -50,6 +51,45 @@ class MigrationLoop(Protocol):
     async def handle_get(self, request: web.Request) -> web.Response: ...
 
     async def handle_post(self, request: web.Request) -> web.Response: ...
+
+
+@dataclass(frozen=True)
+class AdminCall:
+    """A checked ``POST /migration`` body: turn the controller ``"on"`` or ``"off"`` (or
+    leave it), move ``instance`` to ``value`` (a role or a boundary, checked by the mode),
+    and or ``reset``."""
+
+    controller: str | None
+    instance: str | None
+    value: object
+    reset: bool
+
+
+def admin_call(raw: bytes, target: str) -> AdminCall:
+    """``raw`` as an :class:`AdminCall` whose move names its ``target`` field ("role",
+    "boundary"). Raises json.JSONDecodeError, or MigrationRefused (400) saying what is wrong."""
+    body = json.loads(raw or b"{}")
+    if not isinstance(body, dict) or not body:
+        raise MigrationRefused(
+            f"expected a JSON object with 'controller' and/or 'instance' and '{target}', or 'reset'"
+        )
+    unknown = set(body) - {"controller", "instance", target, "reset"}
+    if unknown:
+        raise MigrationRefused(f"unknown field(s) {sorted(unknown)}")
+    controller = body.get("controller")
+    if controller not in (None, "on", "off"):
+        raise MigrationRefused(f"'controller' must be 'on' or 'off', got {controller!r}")
+    if ("instance" in body) != (target in body):
+        raise MigrationRefused(f"'instance' and '{target}' go together")
+    reset = body.get("reset", False)
+    if not isinstance(reset, bool):
+        raise MigrationRefused(f"'reset' must be true, got {reset!r}")
+    if reset and "instance" in body:
+        # Refused before either is applied: a move checked against the state before the
+        # reset could be one the reset makes impossible, or a no-op.
+        raise MigrationRefused(f"'reset' and a move ('instance', '{target}') go separately")
+    instance = str(body["instance"]) if "instance" in body else None
+    return AdminCall(controller, instance, body.get(target), reset)
 
 
 class MigrationRefused(Exception):
@@ -179,32 +219,13 @@ class RoleMigration:
 
     async def handle_post(self, request: web.Request) -> web.Response:
         try:
-            body = json.loads(await request.read() or b"{}")
-            if not isinstance(body, dict) or not body:
-                raise MigrationRefused(
-                    "expected a JSON object with 'controller' and/or 'instance' and 'role'"
-                )
-            unknown = set(body) - {"controller", "instance", "role", "reset"}
-            if unknown:
-                raise MigrationRefused(f"unknown field(s) {sorted(unknown)}")
-            controller = body.get("controller")
-            if controller not in (None, "on", "off"):
-                raise MigrationRefused(f"'controller' must be 'on' or 'off', got {controller!r}")
-            if ("instance" in body) != ("role" in body):
-                raise MigrationRefused("'instance' and 'role' go together")
-            reset = body.get("reset", False)
-            if not isinstance(reset, bool):
-                raise MigrationRefused(f"'reset' must be true, got {reset!r}")
-            if reset and "instance" in body:
-                # Refused before either is applied: a move checked against the roles before
-                # the reset could be one the reset makes impossible, or a no-op.
-                raise MigrationRefused("'reset' and a move ('instance', 'role') go separately")
-            if reset:
+            call = admin_call(await request.read(), "role")
+            if call.reset:
                 self.reset()
-            if "instance" in body:
-                self.move(str(body["instance"]), str(body["role"]))
-            if controller is not None:
-                self.enabled = controller == "on"
+            if call.instance is not None:
+                self.move(call.instance, str(call.value))
+            if call.controller is not None:
+                self.enabled = call.controller == "on"
         except json.JSONDecodeError as exc:
             return web.json_response({"message": f"invalid JSON: {exc}"}, status=400)
         except MigrationRefused as exc:
