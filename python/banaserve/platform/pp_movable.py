@@ -212,9 +212,7 @@ class FirstStage:
         self.lowest = lowest
         self.layers = len(model.layers)
         self.control = control
-        start = control.read().applied
-        self.applied = start
-        self.held = start  # stage 1 holds the weights of layers [held, L)
+        self.applied = control.read().applied  # stage 1 holds the weights of [applied, L)
         self.moves = 0
         self.bytes_moved = 0
         self.chunked_before = False
@@ -228,11 +226,10 @@ class FirstStage:
         self.chunked_before = chunked
         extra: dict[str, Any] = {}
         if wanted != self.applied:
-            for layer in range(wanted, self.held):
+            for layer in range(wanted, self.applied):  # none when moving up
                 for name, param in layer_weights(self.model.layers[layer]):
                     extra[f"{WEIGHT_PREFIX}{layer}.{name}"] = param.data
                     self.bytes_moved += param.data.numel() * param.data.element_size()
-            self.held = wanted
             self.moves += 1
             logger.info("layer boundary %d -> %d", self.applied, wanted)
             self.applied = wanted
@@ -241,13 +238,14 @@ class FirstStage:
 
 
 class LastStage:
-    """Stage 1's side: holds the weights of layers [held, L), installs those that come with
-    a micro-batch, frees those it no longer runs. Confined to the stage's scheduler thread."""
+    """Stage 1's side: holds the weights of layers [boundary, L), installs those that come
+    with a micro-batch, frees those it no longer runs. Confined to the stage's scheduler
+    thread."""
 
     def __init__(self, model: Any, boundary: int) -> None:
         self.model = model
         self.layers = len(model.layers)
-        self.freed: dict[int, int] = {}  # layer -> bytes its weights took
+        self.freed: set[int] = set()  # layers whose weights this stage does not hold
         self.boundary = boundary
         self.release_below(boundary)
 
@@ -258,9 +256,8 @@ class LastStage:
         for layer in range(self.model.start_layer, min(boundary, self.layers)):
             if layer in self.freed:
                 continue
-            self.freed[layer] = 0
+            self.freed.add(layer)
             for _, param in layer_weights(self.model.layers[layer]):
-                self.freed[layer] += param.data.numel() * param.data.element_size()
                 param.data = torch.empty(0, dtype=param.data.dtype)
 
     def take(self, tensors: dict[str, Any]) -> int:
@@ -274,7 +271,7 @@ class LastStage:
             layer, name = layer_name.split(".", 1)
             params = dict(layer_weights(self.model.layers[int(layer)]))
             params[name].data = tensors.pop(key)
-            self.freed.pop(int(layer), None)
+            self.freed.discard(int(layer))
         missing = [layer for layer in range(boundary, self.layers) if layer in self.freed]
         if missing:
             raise RuntimeError(f"layer boundary {boundary}: no weights for layers {missing}")
