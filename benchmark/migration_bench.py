@@ -74,14 +74,20 @@ def get_json(url: str) -> dict:
 
 
 async def sample_cluster(url: str, timeline: list[dict], stop: asyncio.Event) -> None:
-    """Each instance's role and batch every :data:`SAMPLE_S` (BanaServe's ``/cluster``)."""
+    """Each instance's role and batch every :data:`SAMPLE_S` (BanaServe's ``/cluster``), and
+    with layer migration each split instance's boundary and the controller's utilisation
+    per core."""
     start = time.perf_counter()
     while not stop.is_set():
         try:
             state = await asyncio.to_thread(get_json, f"{url}/cluster")
+            migration = state.get("migration", {})
             timeline.append({"t": time.perf_counter() - start, "instances": {
                 i["name"]: {"role": i["role"], "batch": i["load"]["running_reqs"]
-                            + i["load"]["queued_reqs"]} for i in state["instances"]}})  # fmt: skip
+                            + i["load"]["queued_reqs"]} for i in state["instances"]},
+                "boundaries": migration.get("boundaries", {}),
+                "num_layers": migration.get("num_layers"),
+                "utilisation": migration.get("utilisation", {})})  # fmt: skip
         except OSError:
             pass
         with_timeout = asyncio.wait_for(stop.wait(), SAMPLE_S)
@@ -213,11 +219,35 @@ def plot(rows: dict[str, dict], path: Path) -> None:
                 ax.axvspan(s["t"], s["t"] + SAMPLE_S, color=shade[role], **band)
         ax.set_title(f"{name}: batch per instance (lines), role per band (blue prefill, orange "
                      "decode, green mixed)", fontsize=9)  # fmt: skip
+        plot_layers(ax, samples)
         ax.set_xlabel("s")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
     print(f"[migration] timeline: {path}", flush=True)
+
+
+def plot_layers(ax: object, samples: list[dict]) -> None:
+    """On a second axis of ``ax``: each split instance's boundary as a share of the layers,
+    k / L (steps: 1 is whole, lower lends more layers), and the layer controller's
+    utilisation of each core (dotted, in cores' worth of work), where the timeline has
+    them."""
+    split = sorted({n for s in samples for n in s.get("boundaries", {})})
+    cores = sorted({c for s in samples for c in s.get("utilisation", {}) if c.isdigit()})
+    if not split:
+        return
+    right = ax.twinx()  # type: ignore[attr-defined]
+    t = [s["t"] for s in samples]
+    for instance in split:
+        share = [s["boundaries"][instance] / s["num_layers"] if instance in s.get("boundaries", {})
+                 else None for s in samples]  # fmt: skip
+        right.step(t, share, "k--", where="post", label=f"k / L of {instance}")
+    for core in cores:
+        right.plot(t, [s.get("utilisation", {}).get(core) for s in samples], ":",
+                   label=f"core {core} utilisation")  # fmt: skip
+    right.set_ylabel("k / L; utilisation (cores)")
+    right.set_ylim(bottom=0)
+    right.legend(fontsize=8, loc="upper right")
 
 
 def main() -> None:
