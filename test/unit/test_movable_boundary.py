@@ -18,7 +18,7 @@ from banaserve.migration.boundary_control import (
     BoundaryState,
 )
 from banaserve.platform import import_hook, pp_movable
-from banaserve.server.boundary_route import checked_boundary
+from banaserve.server.boundary_route import boundary_asked
 from banaserve.server.pipeline_options import (
     LAYER_PARTITION_ENV,
     LayerSplit,
@@ -41,7 +41,7 @@ def test_the_record_is_shared_by_every_process_that_maps_it(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("boundary", [2, 5, LAYERS])
 def test_a_boundary_in_range_is_taken(boundary: int) -> None:
-    assert checked_boundary({"boundary": boundary}, 2, LAYERS) == boundary
+    assert boundary_asked({"boundary": boundary}, 2, LAYERS) == boundary
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_a_boundary_in_range_is_taken(boundary: int) -> None:
 )  # fmt: skip
 def test_a_bad_body_says_what_is_wrong(body: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        checked_boundary(body, 2, LAYERS)
+        boundary_asked(body, 2, LAYERS)
 
 
 def test_the_movable_environment(tmp_path: Path) -> None:

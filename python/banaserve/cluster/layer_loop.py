@@ -18,7 +18,6 @@ admin's.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from aiohttp import web
 
 from banaserve.cluster.migration_loop import HISTORY, TICK_S, MigrationRefused, admin_call
 from banaserve.cluster.topology import MIN_BOUNDARY, InstanceSpec, record_fallback
+from banaserve.migration.boundary_control import checked_boundary
 from banaserve.migration.layer_controller import LayerController, LayerMove, SplitInstance
 from banaserve.router.board import Board
 from banaserve.server.kv_pool_sizing import layer_weight_bytes
@@ -152,12 +152,10 @@ class LayerMigration:
             )
         if name not in self.start:
             raise MigrationRefused(f"{name} does not run as two stages (any more)", status=409)
-        layers = self.layout["num_layers"]
-        if isinstance(boundary, bool) or not isinstance(boundary, int):
-            raise MigrationRefused(f"'boundary' must be an integer, got {boundary!r}")
-        if not MIN_BOUNDARY <= boundary <= layers:
-            raise MigrationRefused(f"'boundary' must be between {MIN_BOUNDARY} and {layers}, "
-                                   f"got {boundary}")  # fmt: skip
+        try:
+            boundary = checked_boundary(boundary, MIN_BOUNDARY, self.layout["num_layers"])
+        except ValueError as exc:
+            raise MigrationRefused(str(exc)) from None
         split = next((s for s in self.controller.splits if s.url == spec.url), None)
         if split is None:
             raise MigrationRefused(f"{name} is not pinned: start the cluster with pinned cores "
@@ -249,8 +247,6 @@ class LayerMigration:
                 raise MigrationRefused(f"{call.instance} did not take the move", status=502)
             if call.controller is not None:
                 self.enabled = call.controller == "on"
-        except json.JSONDecodeError as exc:
-            return web.json_response({"message": f"invalid JSON: {exc}"}, status=400)
         except MigrationRefused as exc:
             return web.json_response({"message": str(exc)}, status=exc.status)
         await self.refresh()

@@ -67,8 +67,11 @@ class AdminCall:
 
 def admin_call(raw: bytes, target: str) -> AdminCall:
     """``raw`` as an :class:`AdminCall` whose move names its ``target`` field ("role",
-    "boundary"). Raises json.JSONDecodeError, or MigrationRefused (400) saying what is wrong."""
-    body = json.loads(raw or b"{}")
+    "boundary"). Raises MigrationRefused (400) saying what is wrong, invalid JSON included."""
+    try:
+        body = json.loads(raw or b"{}")
+    except json.JSONDecodeError as exc:
+        raise MigrationRefused(f"invalid JSON: {exc}") from None
     if not isinstance(body, dict) or not body:
         raise MigrationRefused(
             f"expected a JSON object with 'controller' and/or 'instance' and '{target}', or 'reset'"
@@ -226,8 +229,6 @@ class RoleMigration:
                 self.move(call.instance, str(call.value))
             if call.controller is not None:
                 self.enabled = call.controller == "on"
-        except json.JSONDecodeError as exc:
-            return web.json_response({"message": f"invalid JSON: {exc}"}, status=400)
         except MigrationRefused as exc:
             return web.json_response({"message": str(exc)}, status=exc.status)
         return web.json_response(self.state())

@@ -33,6 +33,17 @@ _SIZE = struct.calcsize(_FORMAT)
 _RECORD = "boundary"
 
 
+def checked_boundary(boundary: object, lowest: int, layers: int) -> int:
+    """``boundary`` if it is an integer in [``lowest``, ``layers``]; ValueError saying what
+    is wrong otherwise (the instance's route and the cluster's admin call both check so)."""
+    if isinstance(boundary, bool) or not isinstance(boundary, int):
+        raise ValueError(f"boundary must be an integer, got {boundary!r}")
+    if not lowest <= boundary <= layers:
+        raise ValueError(f"boundary {boundary} is out of range: this instance moves it between "
+                         f"{lowest} and {layers}")  # fmt: skip
+    return boundary
+
+
 def split_dir_for(pid: int) -> Path:
     """The split folder of the instance whose launcher runs as ``pid``."""
     return SPLIT_ROOT / f"banaserve-split-{pid}"

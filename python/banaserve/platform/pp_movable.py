@@ -119,21 +119,26 @@ def mapped(path: Path, like: Any) -> Any:
     )
 
 
-def share_layers(pool: Any, first: int, folder: Path) -> None:
+def share_layers(pool: Any, first: int, folder: Path) -> list[str]:
     """Back ``pool``'s K and V buffers of layers ``first`` and up with files in ``folder``
-    (the views keep their shapes and strides; a fused K/V allocation stays fused)."""
+    (the views keep their shapes and strides; a fused K/V allocation stays fused); the
+    names of those files."""
+    names = []
     for local in range(max(0, first - pool.start_layer), pool.layer_num):
         layer = pool.start_layer + local
         k, v = pool.k_buffer[local], pool.v_buffer[local]
         k_base = k if k._base is None else k._base
         v_base = v if v._base is None else v._base
         if k_base is v_base:
-            shared = mapped(folder / f"kv{layer}", k_base)
+            names.append(f"kv{layer}")
+            shared = mapped(folder / names[-1], k_base)
             pool.k_buffer[local] = shared.as_strided(k.shape, k.stride(), k.storage_offset())
             pool.v_buffer[local] = shared.as_strided(v.shape, v.stride(), v.storage_offset())
         else:
-            pool.k_buffer[local] = mapped(folder / f"k{layer}", k)
-            pool.v_buffer[local] = mapped(folder / f"v{layer}", v)
+            names += [f"k{layer}", f"v{layer}"]
+            pool.k_buffer[local] = mapped(folder / names[-2], k)
+            pool.v_buffer[local] = mapped(folder / names[-1], v)
+    return names
 
 
 def unlink_once_both_mapped(folder: Path, rank: int, names: Iterable[str]) -> None:
@@ -154,10 +159,7 @@ def sharing_shared_layers(original: Callable[[Any], None]) -> Callable[[Any], No
         lowest = min_boundary()
         if lowest is not None:
             folder = split_dir()
-            share_layers(self, lowest, folder)
-            names = [path.name for path in folder.glob("k*")] + [
-                path.name for path in folder.glob("v*")
-            ]
+            names = share_layers(self, lowest, folder)
             unlink_once_both_mapped(folder, 0 if self.start_layer == 0 else 1, names)
 
     _create_buffers_normal.__banaserve_patched__ = True  # type: ignore[attr-defined]

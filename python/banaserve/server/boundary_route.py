@@ -17,7 +17,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from banaserve.migration.boundary_control import MOVABLE_ENV, SPLIT_DIR_ENV, BoundaryControl
+from banaserve.migration.boundary_control import (
+    MOVABLE_ENV,
+    SPLIT_DIR_ENV,
+    BoundaryControl,
+    checked_boundary,
+)
 from banaserve.server.pipeline_options import split_from_env
 
 ROUTE = "/pp_boundary"
@@ -31,17 +36,11 @@ def state(control: BoundaryControl, lowest: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def checked_boundary(body: object, lowest: int, layers: int) -> int:
+def boundary_asked(body: object, lowest: int, layers: int) -> int:
     """The boundary a POST body asks for; ValueError (its message is the 400's) otherwise."""
     if not isinstance(body, dict) or set(body) != {"boundary"}:
         raise ValueError('the body must be a JSON object {"boundary": k}')
-    boundary = body["boundary"]
-    if isinstance(boundary, bool) or not isinstance(boundary, int):
-        raise ValueError(f"boundary must be an integer, got {boundary!r}")
-    if not lowest <= boundary <= layers:
-        raise ValueError(f"boundary {boundary} is out of range: this instance moves it between "
-                         f"{lowest} and {layers}")  # fmt: skip
-    return boundary
+    return checked_boundary(body["boundary"], lowest, layers)
 
 
 def add_boundary_route(env: Mapping[str, str]) -> Path:
@@ -64,7 +63,7 @@ def add_boundary_route(env: Mapping[str, str]) -> Path:
         except ValueError:  # not JSON at all
             body = None
         try:
-            boundary = checked_boundary(body, lowest, split.num_layers)
+            boundary = boundary_asked(body, lowest, split.num_layers)
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         control.request(boundary)
