@@ -49,9 +49,13 @@ MODES = {
     "banaserve_1p1d_role": SystemSpec("banaserve_1p1d_role", "banaserve", ours=True, prefill=1,
                                       decode=1, extra=("--migration", "role")),
     # The decode instance runs layers [k, L) on the prefill instance's core, k moved by the
-    # layer controller (from L/2).
+    # layer controller (from L: nothing lent until it pays).
     "banaserve_1p1d_layer": SystemSpec("banaserve_1p1d_layer", "banaserve", ours=True,
                                        prefill=1, decode=1, extra=("--migration", "layer")),
+    # The same, the controller reading the arrival trend of prompt and output tokens.
+    "banaserve_1p1d_layer_predictive": SystemSpec(
+        "banaserve_1p1d_layer_predictive", "banaserve", ours=True, prefill=1, decode=1,
+        extra=("--migration", "layer", "--migration-predictive")),
     # No controller: every request, long ones too, may run on the instance whose core is less
     # busy at route time (issue 16's "let prefill instances take long decodes").
     "banaserve_1p1d_any": SystemSpec("banaserve_1p1d_any", "banaserve", ours=True, prefill=1,

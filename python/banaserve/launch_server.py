@@ -120,7 +120,12 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
     try:
         if lends_layers:
             split = lending_split(ours.pp_layer_boundary, args.pp_size, Path(model_path))
-            notes.append(f"decode instances lend layers [{split.boundary}, {split.num_layers})")
+            lent = (
+                f"layers [{split.boundary}, {split.num_layers})"
+                if split.boundary < split.num_layers
+                else "no layer until the controller finds it pays"
+            )
+            notes.append(f"decode instances start lending {lent}")
             env = {}
         else:
             env = pipeline_plan(
@@ -142,7 +147,9 @@ def pipeline_plan(
     ``--pp-layer-boundary`` does not fit ``--pp-size`` or the model. ``serves``: this process
     runs the server; a cluster's launcher only checks, since each instance's own launcher
     decides its environment, from the cores it is pinned to."""
-    split = layer_split(boundary, args.pp_size, model_path)
+    split = layer_split(
+        boundary, args.pp_size, model_path, movable=args.pp_min_boundary is not None
+    )
     if not serves:
         return {}
     if split is not None:

@@ -1,11 +1,12 @@
 """``--migration layer`` on a real 2P+1D cluster pinned to two cores: the decode instance runs
-as two pipeline stages, layers [0, 1) of the tiny model on its own core 0 and [1, 2) on
-prefill-1's core 1, and still answers token for token like one plain instance (handed-off and
-direct requests, streaming too), at its start boundary and after the admin moved it
-(``POST /migration``). When a stage dies mid-generation, its requests end with a clear error,
-the cluster keeps serving, and the instance comes back whole on its own core (boundary L, no
-longer moved). The controller is off here (its decisions are ``unit/test_layer_loop.py``'s);
-the layout's unit tests are ``unit/test_layer_lending.py``.
+as two pipeline stages, layers [0, k) of the tiny model on its own core 0 and [k, 2) on
+prefill-1's core 1. It starts whole (k = L = 2: stage 1 runs no layer) and answers token for
+token like one plain instance (handed-off and direct requests, streaming too), there and after
+the admin moved it (``POST /migration``) to k = 1 and back. When a stage dies mid-generation,
+its requests end with a clear error, the cluster keeps serving, and the instance comes back
+whole on its own core (boundary L, no longer moved). The controller is off here (its
+decisions are ``unit/test_layer_loop.py``'s); the layout's unit tests are
+``unit/test_layer_lending.py``.
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ def test_the_split_decode_instance_matches_a_plain_instance(
 
 def test_the_layout_is_reported_and_the_stages_are_pinned(cluster: Cluster) -> None:
     state = requests.get(f"{cluster.url}/migration", timeout=30).json()
-    assert (state["mode"], state["boundary"], state["num_layers"]) == ("layer", 1, 2)
+    assert (state["mode"], state["boundary"], state["num_layers"]) == ("layer", 2, 2)
     assert state["stage_cores"] == {"decode-0": [[0], [1]]}
-    assert state["boundaries"] == {"decode-0": 1} and state["controller"] == "off"
+    assert state["boundaries"] == {"decode-0": 2} and state["controller"] == "off"
     decode = cluster.instance("decode-0")
     assert decode["cores"] == [0, 1] and "--pp-layer-boundary" in decode["args"]
     assert "--pp-min-boundary" in decode["args"]
@@ -84,12 +85,12 @@ def test_the_layout_is_reported_and_the_stages_are_pinned(cluster: Cluster) -> N
 
 
 def test_a_moved_boundary_still_matches_a_plain_instance(cluster: Cluster, server: Server) -> None:
-    """The admin moves decode-0's boundary to L (stage 1 runs no layer, holds no weights)
-    and back to 1 (layer 1's weights go back to stage 1); both answer like a plain
+    """The admin moves decode-0's boundary to 1 (layer 1's weights go to stage 1), to L
+    (stage 1 runs no layer, holds no weights) and to 1 again; each answers like a plain
     instance."""
     prompt = "A quiet river"
     expected = generate(server.url, prompt, sampling_params=LONG_OUT)["output_ids"]
-    for boundary in (2, 1):
+    for boundary in (1, 2, 1):
         move = {"instance": "decode-0", "boundary": boundary}
         answer = requests.post(f"{cluster.url}/migration", json=move, timeout=30)
         assert answer.status_code == 200, answer.text
@@ -97,7 +98,7 @@ def test_a_moved_boundary_still_matches_a_plain_instance(cluster: Cluster, serve
         state = requests.get(f"{cluster.url}/migration", timeout=30).json()
         assert state["boundaries"] == {"decode-0": boundary}  # as the instance reports it
         assert state["history"][-1]["reason"] == "admin"
-    assert state["moves"] >= 2 and state["bytes_moved"] > 0  # 2 -> 1 sent layer 1's weights
+    assert state["moves"] >= 3 and state["bytes_moved"] > 0  # 2 -> 1 sent layer 1's weights
 
 
 def stream_events(url: str, prompt: str, started: threading.Semaphore) -> list[dict]:

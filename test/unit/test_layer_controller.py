@@ -30,7 +30,12 @@ SPLIT = SplitInstance(D, LAYERS, home_cores=(0,), lent_cores=(1,), min_boundary=
                       kv_bytes_per_token_layer=KV_BYTES)  # fmt: skip
 
 
+#: A split that pays (the default is this machine's CPU, where none does).
+PAYS = 1.35
+
+
 def controller(**config: object) -> LayerController:
+    config = {"split_cost": PAYS, **config}
     return LayerController([SPLIT], cores={P: (1,)}, config=LayerControllerConfig(**config))
 
 
@@ -64,6 +69,13 @@ def test_a_sustained_decode_load_lends_half_the_layers_to_the_idle_prefill_core(
     assert ctl.boundary[D] == 15
 
 
+def test_with_the_measured_cpu_cost_no_split_ever_pays() -> None:
+    ctl = LayerController([SPLIT], cores={P: (1,)})
+    assert ctl.config.split_cost >= 2
+    assert run(ctl, lambda t: (0, 8), 0, 60) == []
+    assert ctl.peak({D: LAYERS // 2}) > ctl.peak({D: LAYERS})
+
+
 def test_a_brief_spike_moves_nothing() -> None:
     ctl = controller()
     assert run(ctl, lambda t: (0, 6) if 5 <= t < 7 else (0, 0), 0, 30) == []
@@ -81,14 +93,43 @@ def test_the_borrowed_core_goes_back_when_the_load_turns() -> None:
     ctl = controller()
     decode_phase = run(ctl, lambda t: (0, 4), 0, 10)
     assert [m.to_boundary for m in decode_phase] == [15]
-    # A prefill-heavy phase: the decodes end, prompts pile up on the lent core.
-    prefill_phase = run(ctl, lambda t: (3, 0), 10, 40)
-    assert [(m.from_boundary, m.to_boundary, m.reason) for m in prefill_phase] == [
-        (15, LAYERS, "release")
-    ]
-    release = prefill_phase[0]
+    # The decodes end: the split dwells, then goes back.
+    idle = run(ctl, lambda t: (0, 0), 10, 40)
+    assert [(m.from_boundary, m.to_boundary, m.reason) for m in idle] == [(15, LAYERS, "release")]
+    release = idle[0]
     assert release.bytes_moved == 15 * KV_BYTES * 1000  # KV only: stage 0 kept the weights
     assert release.at - decode_phase[0].at >= LayerControllerConfig().dwell_s
+
+
+def test_prompts_on_the_lent_core_take_it_back_without_dwelling() -> None:
+    config = LayerControllerConfig()
+    ctl = controller()
+    decode_phase = run(ctl, lambda t: (0, 4), 0, 10)
+    assert [m.to_boundary for m in decode_phase] == [15]
+    # A prefill-heavy phase: prompts pile up on the lent core while decodes still run.
+    prefill_phase = run(ctl, lambda t: (3, 4), 10, 40)
+    assert [(m.from_boundary, m.to_boundary, m.reason) for m in prefill_phase] == [
+        (15, LAYERS, "lent cores prefill")
+    ]
+    assert prefill_phase[0].at <= 10 + config.sustain_s + 1  # warranted for sustain_s only
+    assert prefill_phase[0].at - decode_phase[0].at < config.dwell_s
+
+
+def test_a_prefilling_core_is_not_lent() -> None:
+    # Six decodes against one prompt on prefill-0's core: a split at 1.35x would cut the peak
+    # from 6 to 4.55, but the prompt there would share its core with the borrowed layers.
+    assert run(controller(), lambda t: (1, 6), 0, 60) == []
+
+
+def test_prompts_that_spilled_to_the_decode_instance_are_not_split() -> None:
+    # Six 1024-token prompts run whole on decode-0 (spilled: prefill-0 was backed up) while
+    # prefill-0's core idles: one prompt is one micro-batch, so a split would not speed them.
+    spilled = [InstanceLoad(P, "prefill"),
+               InstanceLoad(D, "decode", running_reqs=1, queued_reqs=5,
+                            queued_prefill_tokens=6 * 1024)]  # fmt: skip
+    ctl = controller()
+    assert [move for t in range(60) for move in ctl.step(spilled, float(t))] == []
+    assert ctl.peak({D: 15}) > ctl.peak({D: LAYERS}) == pytest.approx(6.0)
 
 
 def test_noise_around_a_balanced_load_does_not_flap() -> None:
@@ -152,6 +193,8 @@ def test_a_stage_that_died_sets_the_boundary_back_and_bad_boundaries_are_refused
 def test_bad_config_is_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         LayerControllerConfig(**bad)
+    with pytest.raises(ValueError, match="release_prefill"):
+        LayerControllerConfig(max_lent_prefill=2.0, release_prefill=1.0)
 
 
 def test_bad_split_instances_are_refused() -> None:
@@ -164,5 +207,8 @@ def test_bad_split_instances_are_refused() -> None:
 def test_work_units_of_each_role() -> None:
     mixed = InstanceLoad("http://m", "mixed", running_reqs=3, queued_prefill_tokens=2048)
     assert work_of(mixed) == {Role.PREFILL: 2.0, Role.DECODE: 1.0}
+    # A decode instance's prompts (spilled there whole) are prefill work too.
+    spilled = InstanceLoad("http://d", "decode", running_reqs=4, queued_prefill_tokens=1024)
+    assert work_of(spilled) == {Role.PREFILL: 1.0, Role.DECODE: 3.0}
     assert cores_busy(InstanceLoad("http://d", "decode", running_reqs=2)) == 2.0
     assert cores_busy(mixed, decode_full_reqs=2.0) == pytest.approx(2.5)

@@ -72,14 +72,14 @@ def test_no_prefill_core_to_lend_is_a_clear_error() -> None:
         lend_decode_layers(pinned(1, 2), SPLIT)
 
 
-def test_the_split_defaults_to_the_middle_and_is_checked(tmp_path: Path) -> None:
+def test_the_split_starts_whole_and_is_checked(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
-    assert lending_split(None, 1, tmp_path) == LayerSplit(15, 30)
+    assert lending_split(None, 1, tmp_path) == LayerSplit(30, 30)  # lends nothing at first
     assert lending_split(24, 1, tmp_path) == LayerSplit(24, 30)
     with pytest.raises(ValueError, match="drop --pp-size 2"):
         lending_split(None, 2, tmp_path)
-    with pytest.raises(ValueError, match="must be between 1 and 29"):
-        lending_split(30, 1, tmp_path)
+    with pytest.raises(ValueError, match="must be between 1 and 30"):
+        lending_split(31, 1, tmp_path)
 
 
 def test_the_launcher_checks_layer_mode_before_starting_anything(
@@ -92,10 +92,18 @@ def test_the_launcher_checks_layer_mode_before_starting_anything(
     cluster = ["--model-path", str(tmp_path), "--num-prefill", "2", "--num-decode", "1",
                "--migration", "layer"]  # fmt: skip
     plan = plan_launch([*cluster, "--pp-layer-boundary", "3"])
-    assert "decode instances lend layers [3, 8)" in plan.notes
+    assert "decode instances start lending layers [3, 8)" in plan.notes
     assert plan.cluster is not None and plan.cluster.migration == "layer"
+    whole = plan_launch(cluster)  # the default: start whole
+    assert "decode instances start lending no layer until the controller finds it pays" in (
+        whole.notes
+    )
+    assert not plan.cluster.migration_predictive
+    assert plan_launch([*cluster, "--migration-predictive"]).cluster.migration_predictive  # type: ignore[union-attr]
     for bad, message in [(["--pp-size", "2"], "drop --pp-size 2"),
-                         (["--pp-layer-boundary", "8"], "must be between 1 and 7")]:  # fmt: skip
+                         (["--migration", "role", "--migration-predictive"],
+                          "it needs --migration layer"),
+                         (["--pp-layer-boundary", "9"], "must be between 1 and 8")]:  # fmt: skip
         with pytest.raises(SystemExit) as exit_:
             plan_launch([*cluster, *bad])
         assert exit_.value.code == 2 and message in capsys.readouterr().err

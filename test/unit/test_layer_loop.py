@@ -141,9 +141,9 @@ def test_a_bad_admin_call_changes_nothing(
 
 
 def test_a_controller_step_moves_the_instance(tmp_path: Path) -> None:
-    """Decode-0 busy and prefill-1 (whose core runs decode-0's layers [15, 30)) busy too:
-    the split no longer pays, the controller gives the borrowed core back (k = L), and the
-    instance is asked for that boundary."""
+    """Decode-0 busy and prefill-1 (whose core runs decode-0's layers [15, 30)) prefilling:
+    the controller gives the borrowed core back (k = L), and the instance is asked for that
+    boundary."""
 
     async def scenario() -> None:
         eager = {"sustain_s": 0, "dwell_s": 0, "smoothing": 1}
@@ -153,7 +153,7 @@ def test_a_controller_step_moves_the_instance(tmp_path: Path) -> None:
             migration.board.loads[decode] = InstanceLoad(decode, "decode", running_reqs=4)
             migration.board.loads[lender] = InstanceLoad(lender, "prefill", running_reqs=2)
             moves = await migration.tick()
-            assert [(m.to_boundary, m.reason) for m in moves] == [(30, "release")]
+            assert [(m.to_boundary, m.reason) for m in moves] == [(30, "lent cores prefill")]
             assert instance.posts == [moves[0].to_boundary]
             assert migration.layout["boundaries"] == {"decode-0": 15}  # read before the move
             await migration.refresh()
@@ -176,5 +176,50 @@ def test_an_instance_restarted_whole_is_no_longer_moved(tmp_path: Path) -> None:
             assert state["boundaries"] == {"decode-0": 30}
             assert state["history"][-1]["reason"].startswith("the instance died")
             assert instance.posts == []
+
+    asyncio.run(scenario())
+
+
+def test_the_lent_core_neighbours_the_split_instance_only_while_it_lends(tmp_path: Path) -> None:
+    """Routing counts a split instance's requests on prefill-1's core while layers run there;
+    at k = L its stage 1 idles, and prefill-1 no longer has a neighbour."""
+
+    def peers(migration: LayerMigration) -> dict[str, int]:
+        loads = migration.board.candidates("prefill")
+        return {migration.name_of(load.url): load.core_peer_reqs for load in loads}
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as (url, migration, _):
+            decode = migration.board.specs[2].url
+            migration.board.loads[decode] = InstanceLoad(decode, "decode", running_reqs=3)
+            assert peers(migration) == {"prefill-0": 3, "prefill-1": 3}  # at 15: both cores
+            for boundary, lent in ((30, 0), (10, 3)):
+                move = {"instance": "decode-0", "boundary": boundary}
+                status, text = await post(f"{url}/migration", move)
+                assert status == 200, text
+                await migration.refresh()  # as the instance reports it
+                assert peers(migration) == {"prefill-0": 3, "prefill-1": lent}, boundary
+
+    asyncio.run(scenario())
+
+
+def test_the_predictive_mode_reads_the_admitted_requests(tmp_path: Path) -> None:
+    """One decode is a core's worth: nothing to lend, until requests asking for many output
+    tokens start arriving (a decode-heavy phase building up): then the split starts."""
+
+    async def scenario() -> None:
+        eager = {"sustain_s": 0, "dwell_s": 0, "smoothing": 1, "predictive": True,
+                 "split_cost": 1.35}  # fmt: skip
+        async with cluster(tmp_path, **eager) as (url, migration, instance):
+            decode = migration.board.specs[2].url
+            status, text = await post(f"{url}/migration", {"instance": "decode-0", "boundary": 30})
+            assert status == 200 and json.loads(text)["predictive"] is True, text
+            migration.board.loads[decode] = InstanceLoad(decode, "decode", running_reqs=1)
+            assert await migration.tick() == []
+            for _ in range(4):
+                migration.arrived(prompt_tokens=32, output_tokens=128)
+            moves = await migration.tick()
+            assert [(m.reason, m.to_boundary < 30) for m in moves] == [("controller", True)]
+            assert instance.posts == [30, moves[0].to_boundary]
 
     asyncio.run(scenario())

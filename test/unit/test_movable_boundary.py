@@ -5,6 +5,7 @@ modules. Served end to end: ``e2e/test_pp_movable.py``."""
 
 from __future__ import annotations
 
+import os
 import types
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from banaserve.migration.boundary_control import (
     SPLIT_DIR_ENV,
     BoundaryControl,
     BoundaryState,
+    remove_orphan_split_dirs,
+    split_dir_for,
 )
 from banaserve.platform import import_hook, pp_movable
 from banaserve.server.boundary_route import boundary_asked
@@ -37,6 +40,17 @@ def test_the_record_is_shared_by_every_process_that_maps_it(tmp_path: Path) -> N
     assert stage.read().requested == 3
     stage.record_applied(3, moves=1, bytes_moved=1000)
     assert server.read() == BoundaryState(3, 3, 1, 1000, LAYERS)
+
+
+def test_split_folders_of_launchers_that_are_gone_are_removed(tmp_path: Path) -> None:
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has it
+    mine = split_dir_for(os.getpid()).name
+    for name in (mine, f"banaserve-split-{gone}", "banaserve-split-x", "other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mapped0").touch()
+    assert remove_orphan_split_dirs(tmp_path) == [tmp_path / f"banaserve-split-{gone}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine, "banaserve-split-x",
+                                                                 "other"])  # fmt: skip
 
 
 @pytest.mark.parametrize("boundary", [2, 5, LAYERS])

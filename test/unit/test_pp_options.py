@@ -36,6 +36,10 @@ def test_the_boundary_splits_the_model_layers(tmp_path: Path) -> None:
     assert split == LayerSplit(3, 8) and split.partition == "3,5"
     assert layer_split(1, 2, model).partition == "1,7"  # type: ignore[union-attr]
     assert layer_split(7, 2, model).partition == "7,1"  # type: ignore[union-attr]
+    # A movable boundary may start at L: stage 1 idle until it moves down.
+    assert layer_split(8, 2, model, movable=True) == LayerSplit(8, 8)
+    with pytest.raises(ValueError, match="between 1 and 7"):
+        layer_split(8, 2, model)
     assert layer_split(None, 2, model) is None  # SGLang's even split
     assert layer_split(None, 1, tmp_path / "missing") is None  # nothing read without the flag
     multimodal = config_dir(tmp_path, {"text_config": {"num_hidden_layers": 30}})

@@ -182,6 +182,8 @@ class Gateway:
             self.counters.quarantine_refusals += 1
             return error_response(400, refusal)
         shape = admitted.shape
+        if self.migration is not None:
+            self.migration.arrived(shape.prompt_tokens, shape.max_new_tokens or 0)
         placement = self.router.plan(shape)
         if placement.handoff:
             done = self._prefilling.setdefault(shape.prompt, asyncio.Event())

@@ -30,8 +30,14 @@ from aiohttp import web
 
 from banaserve.cluster.migration_loop import HISTORY, TICK_S, MigrationRefused, admin_call
 from banaserve.cluster.topology import MIN_BOUNDARY, InstanceSpec, record_fallback
+from banaserve.migration.arrival_trend import ArrivalTrend
 from banaserve.migration.boundary_control import checked_boundary
-from banaserve.migration.layer_controller import LayerController, LayerMove, SplitInstance
+from banaserve.migration.layer_controller import (
+    LayerController,
+    LayerControllerConfig,
+    LayerMove,
+    SplitInstance,
+)
 from banaserve.router.board import Board
 from banaserve.server.kv_pool_sizing import layer_weight_bytes
 from banaserve.server.pipeline_options import LayerSplit
@@ -85,22 +91,29 @@ class LayerMigration:
         self.layout = layout
         self.clock = clock
         self.enabled = True
+        self.trend = ArrivalTrend()  # read only in the controller's predictive mode
         self.start = dict(layout["boundaries"])  # name -> the boundary it started at
         self._by_name = {spec.name: spec for spec in board.specs}
         self._session: aiohttp.ClientSession | None = None
+        for split in controller.splits:
+            self._computes_at(split.url, controller.boundary[split.url])
 
     @classmethod
     def for_cluster(
         cls, board: Board, specs: list[InstanceSpec], split: LayerSplit, layout: dict[str, Any],
-        model_path: Path, dtype: str,
+        model_path: Path, dtype: str, predictive: bool = False,
     ) -> LayerMigration:  # fmt: skip
         splits = split_instances(specs, split, layer_weight_bytes(model_path, dtype))
         split_urls = {s.url for s in splits}
         cores = {s.url: tuple(s.cores) for s in specs if s.cores and s.url not in split_urls}
         controller = LayerController(
-            splits, cores=cores, boundary={s.url: split.boundary for s in splits}
-        )
+            splits, cores=cores, config=LayerControllerConfig(predictive=predictive),
+            boundary={s.url: split.boundary for s in splits},
+        )  # fmt: skip
         return cls(board, controller, layout)
+
+    def arrived(self, prompt_tokens: int, output_tokens: int) -> None:
+        self.trend.record(self.clock(), prompt_tokens, output_tokens)
 
     def name_of(self, url: str) -> str:
         return next((s.name for s in self.board.specs if s.url == url), url)
@@ -115,7 +128,8 @@ class LayerMigration:
         await self.refresh()
         if not self.enabled:
             return []
-        moves = self.controller.step(self.records(), self.clock())
+        now = self.clock()
+        moves = self.controller.step(self.records(), now, self.trend.forecast(now))
         for move in moves:
             if not await self._ask(move):
                 self.controller.set_boundary(move.url, move.from_boundary)
@@ -139,9 +153,11 @@ class LayerMigration:
         for name in list(self.layout["boundaries"]):
             if name not in self.start:
                 continue  # restarted whole: no boundary to read
-            state = await self._call("GET", self._by_name[name].url)
+            url = self._by_name[name].url
+            state = await self._call("GET", url)
             if state is not None:
                 self.layout["boundaries"][name] = state["applied"]
+                self._computes_at(url, state["applied"])
 
     def move(self, name: str, boundary: object) -> LayerMove:
         """The admin's move of ``name`` to ``boundary`` (checked, not yet asked)."""
@@ -178,6 +194,7 @@ class LayerMigration:
                 await self._call("POST", url, boundary)
                 self.controller.set_boundary(url, boundary)
         self.controller.forget()
+        self.trend.clear()
         logger.info("layer migration: every split instance back at its start boundary")
 
     def record_fallback(self, whole: InstanceSpec, at: float) -> None:
@@ -187,6 +204,14 @@ class LayerMigration:
         self.start.pop(whole.name, None)
         if any(s.url == whole.url for s in self.controller.splits):
             self.controller.retire(whole.url)
+
+    def _computes_at(self, url: str, boundary: int) -> None:
+        """Tell the board where ``url`` computes with ``boundary``: at L on its home cores
+        only, so the lending instance's requests do not count as its neighbours'."""
+        split = next((s for s in self.controller.splits if s.url == url), None)
+        if split is not None:
+            lent = split.lent_cores if boundary < split.num_layers else ()
+            self.board.computes_on(url, split.home_cores + lent)
 
     async def _ask(self, move: LayerMove) -> bool:
         """Ask the instance for ``move``'s boundary; True when it took it."""
@@ -229,6 +254,7 @@ class LayerMigration:
         return {
             **self.layout,
             "controller": "on" if self.enabled else "off",
+            "predictive": self.controller.config.predictive,
             "utilisation": {str(core): round(u, 3) for core, u in utilisation.items()},
         }
 

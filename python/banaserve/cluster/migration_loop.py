@@ -52,6 +52,9 @@ class MigrationLoop(Protocol):
 
     async def handle_post(self, request: web.Request) -> web.Response: ...
 
+    def arrived(self, prompt_tokens: int, output_tokens: int) -> None:
+        """A request was admitted (what a predictive mode reads its trend from)."""
+
 
 @dataclass(frozen=True)
 class AdminCall:
@@ -130,6 +133,9 @@ class RoleMigration:
         cores = {s.url: tuple(s.cores) for s in board.specs if getattr(s, "cores", ())}
         home = {spec.url: Role(spec.role) for spec in board.specs}
         return cls(board, RoleController(cores=cores, home=home))
+
+    def arrived(self, prompt_tokens: int, output_tokens: int) -> None:
+        """The role controller reads no arrival trend."""
 
     def records(self) -> list[Any]:
         return [load for role in ROLES for load in self.board.candidates(role)]

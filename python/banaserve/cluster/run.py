@@ -261,8 +261,9 @@ async def serve_gateway(
         migration = RoleMigration.for_board(board)
     elif lending is not None:
         migration = LayerMigration.for_cluster(
-            board, specs, lending.split, lending.layout, Path(model_path), lending.dtype
-        )
+            board, specs, lending.split, lending.layout, Path(model_path), lending.dtype,
+            predictive=options.migration_predictive,
+        )  # fmt: skip
     gateway = Gateway(
         board,
         make_policy(options.router_policy, PREFILL),

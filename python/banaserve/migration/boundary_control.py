@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ _FIELDS = ("requested", "applied", "moves", "bytes_moved", "num_layers")
 _FORMAT = "<" + "q" * len(_FIELDS)
 _SIZE = struct.calcsize(_FORMAT)
 _RECORD = "boundary"
+_SPLIT_PREFIX = "banaserve-split-"
 
 
 def checked_boundary(boundary: object, lowest: int, layers: int) -> int:
@@ -46,7 +48,34 @@ def checked_boundary(boundary: object, lowest: int, layers: int) -> int:
 
 def split_dir_for(pid: int) -> Path:
     """The split folder of the instance whose launcher runs as ``pid``."""
-    return SPLIT_ROOT / f"banaserve-split-{pid}"
+    return SPLIT_ROOT / f"{_SPLIT_PREFIX}{pid}"
+
+
+def remove_orphan_split_dirs(root: Path = SPLIT_ROOT) -> list[Path]:
+    """Remove the split folders under ``root`` whose launcher no longer runs, and return them.
+
+    A launcher removes its folder when it exits; one killed with SIGKILL (a cluster's stop
+    that ran out of patience) cannot. The KV files in it are unlinked once both stages mapped
+    them, so what stays is small (the record and two markers), but it piles up over runs.
+    A folder whose PID was reused by another process stays until that one ends."""
+    removed = []
+    for folder in root.glob(f"{_SPLIT_PREFIX}*"):
+        pid = folder.name.removeprefix(_SPLIT_PREFIX)
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,16 @@ other instance's work stays on its own cores. The controller picks, per split in
 utilisation is the cores' worth of work on it (:func:`banaserve.migration.work.cores_busy`: a
 core holding two requests is twice busy).
 
+Only decodes divide: a split instance's prefill steps (prompts that spilled to it whole) count
+on its home cores, because one prompt is one micro-batch and its stages run in turn, so a split
+does not make it faster. And no layer is lent to a core that prefills (more than
+``max_lent_prefill`` prefill steps' worth, smoothed): the borrowed layers would time-share the
+core with the prompts there, and TTFT pays; a split whose lent cores hold more than
+``release_prefill`` goes back to ``k = L`` without dwelling (the gap between the two is the
+hysteresis that keeps a prompt now and then from flapping the split). Measured in session 11
+(RESULTS.md): a controller that counted a decode instance's spilled prompts as decodes split
+it in the prefill-heavy phase, and TTFT p50 went from 12 s to 43 s.
+
 A move copies bytes: moving ``k`` down sends layers [k', k)'s weights and their KV for every
 live token to the borrowed cores; moving it up sends the KV back (stage 0 keeps every layer's
 weights). A move is made only when the time that copy takes (at ``copy_bytes_per_s``) is at
@@ -31,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from banaserve.migration.arrival_trend import Forecast
-from banaserve.migration.work import cores_busy
+from banaserve.migration.work import PREFILL_FULL_REQS, cores_busy, work_of
 from banaserve.router.base import Role
 from banaserve.router.load import InstanceLoad
 
@@ -74,9 +84,14 @@ class SplitInstance:
 class LayerControllerConfig:
     """The controller's knobs; every default is here."""
 
-    #: A split instance's work, while split, over its work whole (PP's per-step crossing and
-    #: no overlap scheduler: 315 / 233 ms per output token measured on SmolLM2, session 8).
-    split_cost: float = 1.35
+    #: A split instance's work, while split, over its work whole, in core-seconds. Measured on
+    #: this machine's CPU (``benchmark/pp_cost_bench.py``, RESULTS.md session 12): a batch of
+    #: 6 decodes at k = L/2 over two cores steps 1.23x slower than plain on one core, so 2.46
+    #: (session 8's 1.35 came from single requests). SGLang's PP splits the batch into two
+    #: micro-batches, and a CPU forward of 3 costs nearly one of 6. At 2 or more a split can
+    #: never lower the peak, so on a CPU the controller lends nothing; re-measure on hardware
+    #: where PP pays.
+    split_cost: float = 2.46
     #: At or below this peak utilisation no split starts, and a split whose instance would be
     #: at most this busy whole ends. One request's worth: a pipeline keeps both cores busy
     #: only with two micro-batches in flight, and one lone request runs its stages in turn.
@@ -96,6 +111,12 @@ class LayerControllerConfig:
     payback_s: float = 20.0
     #: A move's copy may take at most this share of the core-seconds it saves.
     max_copy_share: float = 0.25
+    #: Prefill steps (smoothed) on a lent core above which no layer is lent there. Half a
+    #: step: one 1024-token prompt seen in two polls in a row.
+    max_lent_prefill: float = 0.5
+    #: Prefill steps (smoothed) on a lent core above which a split lending there goes back:
+    #: more than one prompt, so prompts queue there.
+    release_prefill: float = 1.0
     #: Scale demand by the arrival trend (:meth:`LayerController.step`'s ``forecast``).
     predictive: bool = False
 
@@ -103,8 +124,12 @@ class LayerControllerConfig:
         if self.split_cost < 1 or not 0 <= self.min_gain < 1 or not 0 < self.smoothing <= 1:
             raise ValueError("split_cost must be at least 1, min_gain in [0, 1), smoothing in "
                              "(0, 1]")  # fmt: skip
-        if min(self.min_peak, self.sustain_s, self.dwell_s, self.payback_s) < 0:
-            raise ValueError("min_peak, sustain_s, dwell_s and payback_s must not be negative")
+        if min(self.min_peak, self.sustain_s, self.dwell_s, self.payback_s,
+               self.max_lent_prefill) < 0:  # fmt: skip
+            raise ValueError("min_peak, sustain_s, dwell_s, payback_s and max_lent_prefill must "
+                             "not be negative")  # fmt: skip
+        if self.release_prefill < self.max_lent_prefill:
+            raise ValueError("release_prefill must be at least max_lent_prefill")
         if self.copy_bytes_per_s <= 0 or self.max_copy_share <= 0:
             raise ValueError("copy_bytes_per_s and max_copy_share must be positive")
 
@@ -138,12 +163,13 @@ class LayerController:
     """Decides boundary moves from load records.
 
     Contract: :meth:`step` is a function of the records, ``now``, the optional forecast and
-    the controller's own state (smoothed demand, boundaries, since when a move has been
-    warranted, when each instance last moved): no I/O and no clock but ``now``, so the gateway,
-    tests and a simulator run the same decisions. The caller applies the moves it returns (the
-    controller already counts them as made) and reports a boundary the instance took by itself
-    (a stage that died: :meth:`set_boundary`). Not locked: one caller at a time. ``cores``
-    maps every other instance's url to its cores (one missing counts as a core of its own).
+    the controller's own state (smoothed demand and its prefill share, boundaries, since
+    when a move has been warranted, when each instance last moved): no I/O and no clock but
+    ``now``, so the gateway, tests and a simulator run the same decisions. The caller applies
+    the moves it returns (the controller already counts them as made) and reports a boundary
+    the instance took by itself (a stage that died: :meth:`set_boundary`). Not locked: one
+    caller at a time. ``cores`` maps every other instance's url to its cores (one missing
+    counts as a core of its own).
     """
 
     splits: Sequence[SplitInstance]
@@ -151,6 +177,8 @@ class LayerController:
     config: LayerControllerConfig = field(default_factory=LayerControllerConfig)
     boundary: dict[str, int] = field(default_factory=dict)
     demand: dict[str, float] = field(default_factory=dict)
+    #: The part of ``demand`` that is prefill steps (smoothed alike).
+    prefill: dict[str, float] = field(default_factory=dict)
     warranted_since: dict[str, float] = field(default_factory=dict)
     moved_at: dict[str, float] = field(default_factory=dict)
 
@@ -168,6 +196,7 @@ class LayerController:
         for url in list(self.demand):
             if url not in healthy:  # gone from routing: its work is not on any core now
                 del self.demand[url]
+                self.prefill.pop(url, None)
         peak = self.peak(self.boundary)
         best: tuple[tuple[float, int, str], LayerMove] | None = None
         for split in self.splits:
@@ -206,11 +235,27 @@ class LayerController:
                 add(self.cores.get(url) or (url,), work)
                 continue
             k, layers = boundary.get(url, split.num_layers), split.num_layers
-            cost = self.config.split_cost if k < layers else 1.0
-            add(split.home_cores, work * cost * k / layers)
-            if k < layers:
-                add(split.lent_cores, work * cost * (layers - k) / layers)
+            if k == layers:
+                add(split.home_cores, work)
+                continue
+            prefill = min(work, self.prefill.get(url, 0.0))
+            decode = (work - prefill) * self.config.split_cost
+            add(split.home_cores, prefill * self.config.split_cost + decode * k / layers)
+            add(split.lent_cores, decode * (layers - k) / layers)
         return on_core
+
+    def lent_prefill(self, split: SplitInstance) -> float:
+        """The smoothed prefill steps of the other instances on ``split``'s lent cores (the
+        busiest lent core's share)."""
+        on_core: dict[object, float] = {}
+        for url, prefill in self.prefill.items():
+            if url == split.url:
+                continue
+            other = self._splits.get(url)
+            cores = other.home_cores if other else self.cores.get(url) or (url,)
+            for core in cores:
+                on_core[core] = on_core.get(core, 0.0) + prefill / len(cores)
+        return max((on_core.get(core, 0.0) for core in split.lent_cores), default=0.0)
 
     def set_boundary(self, url: str, k: int) -> None:
         """``url``'s boundary is ``k`` now (a move applied, by hand or after a stage died)."""
@@ -233,14 +278,20 @@ class LayerController:
         """Start afresh (caches cleared between benchmark runs): no demand, no dwelling, no
         pending move; boundaries stay where the instances have them."""
         self.demand.clear()
+        self.prefill.clear()
         self.warranted_since.clear()
         self.moved_at.clear()
 
     def _smooth(self, loads: Sequence[InstanceLoad], forecast: Forecast | None) -> None:
         alpha = self.config.smoothing
         for load in loads:
-            busy = cores_busy(load) * self._factor(load, forecast)
+            factor = self._factor(load, forecast)
+            busy = cores_busy(load) * factor
+            prefill = work_of(load)[Role.PREFILL] / PREFILL_FULL_REQS * factor
             self.demand[load.url] = alpha * busy + (1 - alpha) * self.demand.get(load.url, busy)
+            self.prefill[load.url] = alpha * prefill + (1 - alpha) * self.prefill.get(
+                load.url, prefill
+            )
 
     def _factor(self, load: InstanceLoad, forecast: Forecast | None) -> float:
         if forecast is None or not self.config.predictive:
@@ -255,7 +306,7 @@ class LayerController:
         self, split: SplitInstance, load: InstanceLoad | None, peak: float, now: float
     ) -> LayerMove | None:
         """The move of ``split`` warranted now, if any (dwell, gain and byte bounds met)."""
-        if load is None or now - self.moved_at.get(split.url, -math.inf) < self.config.dwell_s:
+        if load is None:
             return None
         k, layers = self.boundary[split.url], split.num_layers
 
@@ -263,11 +314,17 @@ class LayerController:
             return self.peak({**self.boundary, split.url: k_new})
 
         whole = peak_at(layers)
+        lent_prefill = self.lent_prefill(split)
+        if k < layers and lent_prefill > self.config.release_prefill:
+            # No dwelling: the prompts there wait meanwhile.
+            return self._move(split, load, k, layers, peak, whole, now, "lent cores prefill")
+        if now - self.moved_at.get(split.url, -math.inf) < self.config.dwell_s:
+            return None
         if k < layers and (whole <= self.config.min_peak or whole <= peak):
             # The split no longer pays (or the load would not start one): the borrowed cores
             # go back. Judged at k = L, not at today's peak, which the split itself lowered.
             return self._move(split, load, k, layers, peak, whole, now, "release")
-        if peak <= self.config.min_peak:
+        if peak <= self.config.min_peak or lent_prefill > self.config.max_lent_prefill:
             return None
         # Fewest bytes among equal peaks, then the larger k (fewer borrowed layers).
         peaks = {c: peak_at(c) for c in range(split.min_boundary, layers + 1)}

@@ -5,8 +5,8 @@ An instance serves as ``prefill`` (prefill steps of handoffs, and short requests
 (serve steps) or ``mixed`` (both: a prefill instance that takes long decodes too, or a decode
 instance that takes prefill steps). The cluster's pressure is the peak *utilisation* over the
 two kinds of work: the outstanding requests of each (queued and running, with the router's
-in-flight work merged in; on a mixed instance its queued prompt tokens, in units of
-``prefill_unit_tokens``, count as prefill work and the rest as decode work) over the cores
+in-flight work merged in; on a decode or mixed instance its queued prompt tokens, in units
+of ``prefill_unit_tokens``, count as prefill work and the rest as decode work) over the cores
 that serve it, in units of what one core serves at full speed (``decode_full_reqs`` decodes,
 ``prefill_full_reqs`` prefills). A core counts whole for a kind of work when an instance of that
 role runs on it, half when only a mixed one does. The controller makes the single move that
@@ -55,7 +55,7 @@ class RoleControllerConfig:
     decode_full_reqs: float = DECODE_FULL_REQS
     #: Prefill steps one core computes at once.
     prefill_full_reqs: float = PREFILL_FULL_REQS
-    #: Queued prompt tokens on a mixed instance that count as one prefill step.
+    #: Queued prompt tokens on a decode or mixed instance that count as one prefill step.
     prefill_unit_tokens: int = PREFILL_UNIT_TOKENS
     #: Below this peak utilisation nothing moves: an idle cluster stays as it was started.
     #: One core's worth of work: at 0.5 the controller moved on a benchmark's warm-up

@@ -17,7 +17,7 @@ from banaserve.router.load import InstanceLoad
 DECODE_FULL_REQS = 1.0
 #: Prefill steps one core computes at once (a CPU core is busy with one).
 PREFILL_FULL_REQS = 1.0
-#: Queued prompt tokens on a mixed instance that count as one prefill step.
+#: Queued prompt tokens on a decode or mixed instance that count as one prefill step.
 PREFILL_UNIT_TOKENS = 1024
 
 
@@ -25,13 +25,14 @@ def work_of(
     load: InstanceLoad, prefill_unit_tokens: int = PREFILL_UNIT_TOKENS
 ) -> dict[Role, float]:
     """The requests ``load``'s instance holds, by kind of work: all of a prefill instance's
-    are prefill steps and all of a decode instance's decodes; a mixed instance's queued
-    prompt tokens count as prefill steps (``prefill_unit_tokens`` each, at most its batch) and
-    the rest of its batch as decodes."""
+    are prefill steps; a decode or mixed instance's queued prompt tokens count as prefill
+    steps (``prefill_unit_tokens`` each, at most its batch) and the rest of its batch as
+    decodes. A decode instance holds prompts too: those that spilled there whole when the
+    prefill instances were backed up (:mod:`banaserve.router.spill`); counted as decodes, they
+    made the layer controller lend a decode instance's layers to the core that was prefilling
+    (migration_bench, RESULTS.md session 11)."""
     if load.role == Role.PREFILL:
         return {Role.PREFILL: float(load.batch_reqs), Role.DECODE: 0.0}
-    if load.role == Role.DECODE:
-        return {Role.PREFILL: 0.0, Role.DECODE: float(load.batch_reqs)}
     prefill = min(load.batch_reqs, load.queued_prefill_tokens / prefill_unit_tokens)
     return {Role.PREFILL: prefill, Role.DECODE: load.batch_reqs - prefill}
 

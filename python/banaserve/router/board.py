@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -80,6 +80,7 @@ class Board:
         self._failures: dict[str, int] = defaultdict(int)
         self._dead: set[str] = set()
         self._roles: dict[str, Role] = {spec.url: Role(spec.role) for spec in specs}
+        self._computes_on: dict[str, tuple[int, ...]] = {}  # url -> cores, where not all
         self._peers = core_peers(specs)
         now = clock()
         self.loads: dict[str, InstanceLoad] = {
@@ -90,7 +91,15 @@ class Board:
         """The instance at ``spec.url`` runs as ``spec`` from now on (its cores may differ:
         the core neighbours are worked out again). Its role and load record stay."""
         self.specs = [spec if s.url == spec.url else s for s in self.specs]
-        self._peers = core_peers(self.specs)
+        self._computes_on.pop(spec.url, None)
+        self._peers = core_peers(self.specs, self._computes_on)
+
+    def computes_on(self, url: str, cores: Sequence[int]) -> None:
+        """The instance at ``url`` computes on ``cores`` only (some of those it is pinned to:
+        a split instance whose boundary is at L leaves its second stage's cores idle), so only
+        the members pinned there are its neighbours."""
+        self._computes_on[url] = tuple(cores)
+        self._peers = core_peers(self.specs, self._computes_on)
 
     def role_of(self, url: str) -> Role:
         """The role ``url`` serves in now."""
@@ -192,10 +201,16 @@ class Board:
         """``url`` is back in routing (a hook)."""
 
 
-def core_peers(specs: Sequence[Member]) -> dict[str, tuple[str, ...]]:
+def core_peers(
+    specs: Sequence[Member], computes_on: Mapping[str, Sequence[int]] | None = None
+) -> dict[str, tuple[str, ...]]:
     """Each member's url -> the urls of the other members pinned to a core it runs on (a
-    member without ``cores``, or with none, shares no core)."""
-    cores = {spec.url: set(getattr(spec, "cores", ()) or ()) for spec in specs}
+    member without ``cores``, or with none, shares no core); ``computes_on`` (url -> cores)
+    narrows a member to the cores it computes on."""
+    narrowed = computes_on or {}
+    cores = {
+        spec.url: set(narrowed.get(spec.url, getattr(spec, "cores", ()) or ())) for spec in specs
+    }
     return {
         url: tuple(other for other in cores if other != url and mine & cores[other])
         for url, mine in cores.items()

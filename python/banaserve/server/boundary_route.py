@@ -10,6 +10,7 @@ changes nothing.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the handlers' annotations.
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,13 @@ from banaserve.migration.boundary_control import (
     SPLIT_DIR_ENV,
     BoundaryControl,
     checked_boundary,
+    remove_orphan_split_dirs,
 )
 from banaserve.server.pipeline_options import split_from_env
 
 ROUTE = "/pp_boundary"
+
+logger = logging.getLogger("banaserve.server")
 
 
 def state(control: BoundaryControl, lowest: int) -> dict[str, Any]:
@@ -48,6 +52,9 @@ def add_boundary_route(env: Mapping[str, str]) -> Path:
     routes to SGLang's app, and return the folder (the caller removes it at exit)."""
     from sglang.srt.entrypoints.http_server import app
 
+    removed = remove_orphan_split_dirs()
+    if removed:
+        logger.info("removed %d split folders of launchers that are gone", len(removed))
     split = split_from_env(env)
     lowest = int(env[MOVABLE_ENV])
     folder = Path(env[SPLIT_DIR_ENV])

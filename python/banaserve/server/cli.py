@@ -46,7 +46,7 @@ CLUSTER_VALUE_FLAGS = (
     "--migration",
     "--spill-prefill",
 )
-CLUSTER_SWITCHES = ("--cpu-affinity",)
+CLUSTER_SWITCHES = ("--cpu-affinity", "--migration-predictive")
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ class ClusterOptions:
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     migration: str = "off"
     spill_prefill: bool = SPILL_PREFILL
+    migration_predictive: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
@@ -95,12 +96,15 @@ class ClusterOptions:
             raise ValueError("--in-place-max-new-tokens must not be negative")
         if args.max_restarts_per_minute < 1:
             raise ValueError("--max-restarts-per-minute must be at least 1")
+        if args.migration_predictive and args.migration != "layer":
+            raise ValueError("--migration-predictive steers the layer controller: it needs "
+                             f"--migration layer (got --migration {args.migration})")  # fmt: skip
         return cls(
             prefill, decode, args.router_policy, args.cpu_affinity,
             args.handoff_min_tokens, args.cluster_log_dir, args.in_place_max_new_tokens,
             request_limits_from_args(args),
             RestartPolicy(max_per_minute=args.max_restarts_per_minute), args.migration,
-            args.spill_prefill == "on",
+            args.spill_prefill == "on", args.migration_predictive,
         )  # fmt: skip
 
 
@@ -231,8 +235,15 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         "long outputs pile up on the decode side, and goes back when prompts pile up), "
         "watched in GET /migration and steered with POST /migration; 'layer' runs each "
         "decode instance as two pipeline stages, layers [K, L) on the core of a prefill "
-        "instance that has one to itself (K: --pp-layer-boundary, default L/2; fixed at start "
-        "for now) (default: off).",
+        "instance that has one to itself, K moved live by the gateway's controller (starting "
+        "at --pp-layer-boundary, default L: nothing lent) (default: off).",
+    )
+    cluster.add_argument(
+        "--migration-predictive",
+        action="store_true",
+        help="With --migration layer: the controller scales each instance's load by where the "
+        "arrival rate of prompt tokens (prefill) or output tokens (decode) is heading, so it "
+        "lends layers while a decode-heavy phase builds up rather than once it is there.",
     )
     cluster.add_argument(
         "--cluster-log-dir",

@@ -88,30 +88,35 @@ def check_boundary_flags(boundary: int | None, pp_size: int) -> None:
         )
 
 
-def layer_split(boundary: int | None, pp_size: int, model_dir: Path) -> LayerSplit | None:
+def layer_split(
+    boundary: int | None, pp_size: int, model_dir: Path, movable: bool = False
+) -> LayerSplit | None:
     """The split ``--pp-layer-boundary`` asks for; None when it is not given. Raises
-    ValueError (one line) when the flags do not fit together or the model."""
+    ValueError (one line) when the flags do not fit together or the model. ``movable``: the
+    boundary moves at run time, so it may start at L (stage 1 idle until it moves down)."""
     check_boundary_flags(boundary, pp_size)
     if boundary is None:
         return None
-    return checked_split(boundary, model_num_layers(model_dir))
+    return checked_split(boundary, model_num_layers(model_dir), movable)
 
 
-def checked_split(boundary: int, layers: int) -> LayerSplit:
-    """``LayerSplit(boundary, layers)``; ValueError (one line) unless 1 <= boundary <= L-1."""
-    if not 1 <= boundary <= layers - 1:
+def checked_split(boundary: int, layers: int, movable: bool = False) -> LayerSplit:
+    """``LayerSplit(boundary, layers)``; ValueError (one line) unless 1 <= boundary <= L-1
+    (or L, when the boundary is ``movable``: a fixed split needs a layer in each stage)."""
+    highest = layers if movable else layers - 1
+    if not 1 <= boundary <= highest:
         raise ValueError(
             f"{BOUNDARY_FLAG} {boundary} is out of range: the model has {layers} layers, so "
-            f"it must be between 1 and {layers - 1}"
+            f"it must be between 1 and {highest}"
         )
     return LayerSplit(boundary, layers)
 
 
 def lending_split(boundary: int | None, pp_size: int, model_dir: Path) -> LayerSplit:
-    """``--migration layer``'s split of each decode instance: ``--pp-layer-boundary``, or the
-    middle layer (a decode instance lends half its layers). The cluster makes the decode
-    instances two-stage itself, so ``--pp-size`` must be left alone. ValueError (one line)
-    otherwise."""
+    """``--migration layer``'s split of each decode instance: ``--pp-layer-boundary``, or L
+    (a decode instance starts whole and lends layers once the controller finds it pays). The
+    cluster makes the decode instances two-stage itself, so ``--pp-size`` must be left alone.
+    ValueError (one line) otherwise."""
     if pp_size != 1:
         raise ValueError(
             "--migration layer makes each decode instance a two-stage pipeline itself: drop "
@@ -120,7 +125,7 @@ def lending_split(boundary: int | None, pp_size: int, model_dir: Path) -> LayerS
     layers = model_num_layers(model_dir)
     if layers < 2:
         raise ValueError(f"--migration layer needs a model of 2 layers or more, got {layers}")
-    return checked_split(layers // 2 if boundary is None else boundary, layers)
+    return checked_split(layers if boundary is None else boundary, layers, movable=True)
 
 
 def movable_env(split: LayerSplit | None, lowest: int | None, split_dir: Path) -> dict[str, str]:
