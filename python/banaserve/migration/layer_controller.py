@@ -3,9 +3,10 @@
 A split instance runs as two pipeline stages: layers [0, k) on its own cores, [k, L) on cores
 it borrows from another instance (``--migration layer``: a decode instance borrows a prefill
 instance's core). Its work divides between the two in proportion to the layers each runs, and
-a split costs extra (each step crosses the pipeline, and SGLang runs PP without its overlap
-scheduler: measured 233 -> 315 ms per output token on SmolLM2, ``split_cost`` 1.35). Every
-other instance's work stays on its own cores. The controller picks, per split instance, the
+a split costs extra (``split_cost``: each step crosses the pipeline, SGLang runs PP without
+its overlap scheduler and splits the batch into micro-batches; on this machine's CPU so much
+that no split pays, see :class:`LayerControllerConfig`). Every other instance's work stays on
+its own cores. The controller picks, per split instance, the
 ``k`` in [``min_boundary``, L] that minimises the peak utilisation over the cores, where a core's
 utilisation is the cores' worth of work on it (:func:`banaserve.migration.work.cores_busy`: a
 core holding two requests is twice busy).
