@@ -172,7 +172,7 @@ class LayerMigration:
             boundary = checked_boundary(boundary, MIN_BOUNDARY, self.layout["num_layers"])
         except ValueError as exc:
             raise MigrationRefused(str(exc)) from None
-        split = next((s for s in self.controller.splits if s.url == spec.url), None)
+        split = self.controller.split_of(spec.url)
         if split is None:
             raise MigrationRefused(f"{name} is not pinned: start the cluster with pinned cores "
                                    "to move its boundary", status=409)  # fmt: skip
@@ -202,13 +202,13 @@ class LayerMigration:
         L for good and the controller no longer moves it."""
         record_fallback(self.layout, whole, at)
         self.start.pop(whole.name, None)
-        if any(s.url == whole.url for s in self.controller.splits):
+        if self.controller.split_of(whole.url) is not None:
             self.controller.retire(whole.url)
 
     def _computes_at(self, url: str, boundary: int) -> None:
         """Tell the board where ``url`` computes with ``boundary``: at L on its home cores
         only, so the lending instance's requests do not count as its neighbours'."""
-        split = next((s for s in self.controller.splits if s.url == url), None)
+        split = self.controller.split_of(url)
         if split is not None:
             lent = split.lent_cores if boundary < split.num_layers else ()
             self.board.computes_on(url, split.home_cores + lent)

@@ -225,24 +225,18 @@ class LayerController:
     def utilisation(self, boundary: Mapping[str, int]) -> dict[object, float]:
         """Each core's utilisation with the smoothed demand and ``boundary`` (url -> k)."""
         on_core: dict[object, float] = {}
-
-        def add(cores: Sequence[object], work: float) -> None:
-            for core in cores:
-                on_core[core] = on_core.get(core, 0.0) + work / len(cores)
-
         for url, work in self.demand.items():
             split = self._splits.get(url)
-            if split is None:
-                add(self.cores.get(url) or (url,), work)
+            k = boundary.get(url, split.num_layers) if split else 0
+            if split is None or k == split.num_layers:
+                _spread(on_core, self._home_of(url), work)
                 continue
-            k, layers = boundary.get(url, split.num_layers), split.num_layers
-            if k == layers:
-                add(split.home_cores, work)
-                continue
+            layers = split.num_layers
             prefill = min(work, self.prefill.get(url, 0.0))
             decode = (work - prefill) * self.config.split_cost
-            add(split.home_cores, prefill * self.config.split_cost + decode * k / layers)
-            add(split.lent_cores, decode * (layers - k) / layers)
+            _spread(on_core, split.home_cores,
+                    prefill * self.config.split_cost + decode * k / layers)  # fmt: skip
+            _spread(on_core, split.lent_cores, decode * (layers - k) / layers)
         return on_core
 
     def lent_prefill(self, split: SplitInstance) -> float:
@@ -250,13 +244,19 @@ class LayerController:
         busiest lent core's share)."""
         on_core: dict[object, float] = {}
         for url, prefill in self.prefill.items():
-            if url == split.url:
-                continue
-            other = self._splits.get(url)
-            cores = other.home_cores if other else self.cores.get(url) or (url,)
-            for core in cores:
-                on_core[core] = on_core.get(core, 0.0) + prefill / len(cores)
+            if url != split.url:
+                _spread(on_core, self._home_of(url), prefill)
         return max((on_core.get(core, 0.0) for core in split.lent_cores), default=0.0)
+
+    def split_of(self, url: str) -> SplitInstance | None:
+        """``url``'s split, None for an instance that is not (or no longer) split."""
+        return self._splits.get(url)
+
+    def _home_of(self, url: str) -> Sequence[object]:
+        """The cores ``url``'s own work runs on (a split instance's home cores; a core of its
+        own for an instance of unknown cores)."""
+        split = self._splits.get(url)
+        return split.home_cores if split else self.cores.get(url) or (url,)
 
     def set_boundary(self, url: str, k: int) -> None:
         """``url``'s boundary is ``k`` now (a move applied, by hand or after a stage died)."""
@@ -343,3 +343,9 @@ class LayerController:
               after: float, now: float, reason: str) -> LayerMove:  # fmt: skip
         moved = split.move_bytes(k, k_new, load.kv_used_tokens)
         return LayerMove(split.url, k, k_new, now, peak, after, moved, reason)
+
+
+def _spread(on_core: dict[object, float], cores: Sequence[object], work: float) -> None:
+    """Add ``work`` to ``on_core``, in equal shares over ``cores``."""
+    for core in cores:
+        on_core[core] = on_core.get(core, 0.0) + work / len(cores)

@@ -98,8 +98,9 @@ class Board:
         """The instance at ``url`` computes on ``cores`` only (some of those it is pinned to:
         a split instance whose boundary is at L leaves its second stage's cores idle), so only
         the members pinned there are its neighbours."""
-        self._computes_on[url] = tuple(cores)
-        self._peers = core_peers(self.specs, self._computes_on)
+        if self._computes_on.get(url) != tuple(cores):  # asked every tick; mostly unchanged
+            self._computes_on[url] = tuple(cores)
+            self._peers = core_peers(self.specs, self._computes_on)
 
     def role_of(self, url: str) -> Role:
         """The role ``url`` serves in now."""
