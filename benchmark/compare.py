@@ -11,16 +11,17 @@ Systems (``compare_systems.py``; equal engine flags, KV pool, host pool and pinn
 ``cache_aware``, ``power_of_two``), ``coloc_hicache`` (2 instances sharing SGLang's own
 HiCache file L3), stock PD ``stock_<policy>`` (mooncake_tcp, 2P+1D) and ``pd_radix`` (stock PD
 with a radix cache on the decode instance). ``--ablation`` adds BanaServe without the store,
-forced through the handoff (pure PD), without in-place execution, and with cache_aware
-routing, on hotspot and cache pressure.
+forced through the handoff (pure PD), without in-place execution, with cache_aware routing,
+and without coalescing, on hotspot and cache pressure (or the ``--workloads`` named).
 
 Workloads (``compare_workloads.py``): hotspot, zipf, cache pressure and uniform at 4 and at 128
 output tokens, and bursty arrivals; ``--sweep`` adds zipf at 4 request rates for BanaServe and
 the best baseline on zipf (``sweep.png``).
 
 Clean runs: before every run each system's caches are cleared (instances, host pools, shared
-L3, BanaServe's store and its gateway's prompt index), a warm-up on unrelated prompts is sent,
-and the caches are cleared again; bench_serving's own warm-up (which replays the first measured
+L3, BanaServe's store and its gateway's prompt index), a warm-up on unrelated prompts is sent
+(short and long ones: every serving path runs once before the measured run), and the caches
+are cleared again; bench_serving's own warm-up (which replays the first measured
 prompt) is off. ``--repeat N`` keeps, per system and workload, the run with the median
 throughput, whole.
 
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -52,6 +54,7 @@ sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare_attribution as attribution  # noqa: E402
+from banaserve.router.placement import HANDOFF_MIN_TOKENS  # noqa: E402
 from banaserve.utils.processes import exit_on_sigterm  # noqa: E402
 from compare_plots import plot_bars, plot_sweep  # noqa: E402
 from compare_report import (  # noqa: E402
@@ -86,18 +89,34 @@ QUICK_SYSTEMS = ("coloc_2_round_robin", "stock_cache_aware", "banaserve")
 QUICK_WORKLOADS = ("hotspot", "hotspot_long", "cache_pressure", "uniform")
 ABLATION_WORKLOADS = ("hotspot", "cache_pressure")
 WARM_UP_PROMPT = "Warm-up {i}: the weather in a town that no measured prompt mentions is"
+#: About 12 tokens a line: a long warm-up prompt is over BanaServe's handoff threshold twice.
+WARM_UP_LINE = "Line {j} of warm-up {i}, about a town that no measured prompt mentions. "
+
+
+def _generate(url: str, text: str) -> None:
+    body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+    request = urllib.request.Request(
+        f"{url}/generate", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    urllib.request.urlopen(request, timeout=600).read()
 
 
 def warm_up(running: Running) -> None:
-    """One request per instance through the front, on a prompt no workload shares."""
-    for i in range(max(1, len(running.urls))):
-        body = {"text": WARM_UP_PROMPT.format(i=i),
-                "sampling_params": {"temperature": 0, "max_new_tokens": 8}}  # fmt: skip
-        request = urllib.request.Request(
-            f"{running.url}/generate", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-        urllib.request.urlopen(request, timeout=600).read()
+    """Per instance, a short request and a long one through the front, on prompts no workload
+    shares. The long ones go at once, so that a load-aware router spreads them, and are long
+    enough for BanaServe to hand them off: every path a measured request takes (a long prefill,
+    the store's writes and reads, the decode instance's load) has run once before the first
+    measured run (seen: BanaServe's first run after a start was 20-40% slower than its
+    repeats with short warm-ups only)."""
+    n = max(1, len(running.urls))
+    for i in range(n):
+        _generate(running.url, WARM_UP_PROMPT.format(i=i))
+    lines = 2 * HANDOFF_MIN_TOKENS // 12
+    long_prompts = ["".join(WARM_UP_LINE.format(i=i, j=j) for j in range(lines))
+                    for i in range(n)]  # fmt: skip
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(lambda text: _generate(running.url, text), long_prompts))
 
 
 def bench_argv(workload: Workload, url: str, model: str, result_file: Path) -> list[str]:
@@ -278,7 +297,7 @@ def main() -> None:
 
     for name in args.system_names:
         chosen = args.chosen
-        if name in ABLATIONS:
+        if name in ABLATIONS and not args.workloads:  # asked by name, an ablation runs them
             chosen = [w for w in chosen if w.name in ABLATION_WORKLOADS]
         results += measure(known[name], chosen, args, budget, out, kv_bytes, budgets)
         save()

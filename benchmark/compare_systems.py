@@ -104,6 +104,10 @@ def known_systems() -> dict[str, SystemSpec]:
                    extra=("--in-place-max-new-tokens", "0")),
         SystemSpec("banaserve_cache_aware", "banaserve", ours=True,
                    extra=("--router-policy", "cache_aware")),
+        # A request whose pages another request is computing computes them again instead of
+        # waiting for them (the wait holds the instance's one store-lookup thread).
+        SystemSpec("banaserve_no_coalesce", "banaserve", ours=True,
+                   extra=("--kv-store-coalesce-wait-s", "0")),
         # Round robin: with a shared cache, affinity is the cache's job, not the router's.
         SystemSpec("coloc_hicache", "coloc", "round_robin", instances=2, shared_cache=True),
         *(SystemSpec(f"coloc_{n}_{p}", "coloc", p, instances=n)
@@ -116,7 +120,7 @@ def known_systems() -> dict[str, SystemSpec]:
 
 
 ABLATIONS = ("banaserve_no_store", "banaserve_pure_pd", "banaserve_no_in_place",
-             "banaserve_cache_aware")  # fmt: skip
+             "banaserve_cache_aware", "banaserve_no_coalesce")  # fmt: skip
 
 
 def instance_flags(budget: Budget) -> list[str]:

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 SHORT_OUT, LONG_OUT = 4, 128
 ZIPF_GROUPS, ZIPF_ALPHA = 8, 1.1
 BURST_RATE, BURST_ON_S, BURST_OFF_S = 4.0, 6.0, 12.0
-#: Offered rates in req/s around the 2-core saturation point, which is rate-bound, not
-#: scale-bound (``--scale`` changes how many prompts, not their cost): zipf saturates the best
-#: baseline near 0.25 req/s and BanaServe near 0.4 (RESULTS.md, session 6), so the two lower
-#: rates show latency below saturation and the two higher ones throughput above it.
-SWEEP_RATES = (0.1, 0.2, 0.4, 0.8)
+#: Offered rates in req/s, from below to above the 2-core saturation point (rate-bound, not
+#: scale-bound: ``--scale`` changes how many prompts, not their cost). At 0.1 to 0.8 req/s
+#: both BanaServe and the best baseline kept up, throughput equal to the offered rate
+#: (RESULTS.md, session 13); zipf with every request at once saturates them at 0.4 to 0.75.
+SWEEP_RATES = (0.2, 0.4, 0.8, 1.6)
 
 
 @dataclass(frozen=True)
