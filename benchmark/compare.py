@@ -75,6 +75,7 @@ from compare_systems import (  # noqa: E402
     SystemSpec,
     banaserve_env,
     known_systems,
+    post,
     prerequisites,
     start_system,
 )
@@ -95,11 +96,7 @@ WARM_UP_LINE = "Line {j} of warm-up {i}, about a town that no measured prompt me
 
 def _generate(url: str, text: str) -> None:
     body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
-    request = urllib.request.Request(
-        f"{url}/generate", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
-    urllib.request.urlopen(request, timeout=600).read()
+    post(f"{url}/generate", body, timeout=600)
 
 
 def warm_up(running: Running) -> None:

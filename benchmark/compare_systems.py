@@ -156,8 +156,12 @@ class Running:
         return self.prefill_urls + self.decode_urls
 
 
-def post(url: str, timeout: float = 120.0) -> bytes:
-    request = urllib.request.Request(url, data=b"", method="POST")
+def post(url: str, body: dict | None = None, timeout: float = 120.0) -> bytes:
+    """POST ``body`` as JSON (no body: an empty one); the answer's bytes."""
+    data, headers = b"", {}
+    if body is not None:
+        data, headers = json.dumps(body).encode(), {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=data, method="POST", headers=headers)
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read()
 
@@ -191,11 +195,7 @@ def clear_banaserve(url: str, migrates: bool) -> None:
     them."""
     post_until_done(f"{url}/clear_caches")
     if migrates:
-        request = urllib.request.Request(
-            f"{url}/migration", data=b'{"reset": true}', method="POST",
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-        urllib.request.urlopen(request, timeout=30).read()
+        post(f"{url}/migration", {"reset": True}, timeout=30)
 
 
 def banaserve_env() -> dict[str, str]:
