@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared call for a lent GPU machine (torch, nvcc, cmake, pybind11, scikit-build-core
 # there; no sglang, no network): build the CUDA variant, check the kernels and the layer
-# pipeline against the CPU reference on random inputs, and time them. Fits in 5 minutes.
+# pipeline against the CPU reference on random inputs, and time them; profile Llama-shaped
+# layers for the simulator's device model. Fits in 6 minutes.
 # Usage there: bash benchmark/gpu_check.sh   (writes a copy of its output to $OUT if set)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,9 @@ timeout 90 $PY benchmark/attention_gpu_check.py || status=1
 
 echo "== layer pipeline on CUDA streams"
 timeout 60 $PY benchmark/pipeline_gpu_check.py || status=1
+
+echo "== layer profile for the simulator (Llama-3 8B and 70B layer shapes, bf16, plain PyTorch)"
+timeout 240 $PY benchmark/gpu_layer_profile.py --out "${OUT:-/tmp}/gpu_layer_profile.json" || status=1
 
 echo "== gpu_check: $([ $status = 0 ] && echo OK || echo FAIL)"
 exit $status
