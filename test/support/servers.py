@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
+
+import requests
 
 from banaserve.utils.processes import ManagedProcess, free_port
 
 SERVER_START_TIMEOUT = 300.0
 #: Small enough that several servers fit beside each other on a CI machine.
 TEST_KV_TOKENS = 16384
+#: How long a test waits for a state it caused (a request queued, a claim held): only a bound
+#: for a broken run, never a pace the test relies on, so generous for the slowest machine.
+STATE_TIMEOUT = 120.0
 
 
 class Server:
@@ -25,6 +31,23 @@ class Server:
 
     def wait_ready(self) -> None:
         self.process.wait_http_ok(f"{self.url}/health", SERVER_START_TIMEOUT)
+
+    def queue(self) -> tuple[int, int]:
+        """(running, waiting) requests, as the instance's scheduler reports them (``/v1/loads``)."""
+        loads = requests.get(f"{self.url}/v1/loads", params={"include": "core"}, timeout=30)
+        loads.raise_for_status()
+        ranks = loads.json()["loads"]
+        return (sum(r["num_running_reqs"] for r in ranks),
+                sum(r["num_waiting_reqs"] for r in ranks))  # fmt: skip
+
+    def wait_queue(self, running: int, waiting: int, timeout: float = STATE_TIMEOUT) -> None:
+        """Wait until the scheduler holds exactly ``running`` and ``waiting`` requests."""
+        deadline = time.monotonic() + timeout
+        while (seen := self.queue()) != (running, waiting):
+            assert time.monotonic() < deadline, (
+                f"{self.url}: (running, waiting) stayed {seen}, not {(running, waiting)}"
+            )
+            time.sleep(0.05)
 
 
 def start_server(
