@@ -32,6 +32,9 @@ timeout 120 $PY -m pytest -q -p no:cacheprovider test/unit/test_extension.py tes
 echo "== attention: CUDA vs CPU kernels, timings, merge vs copy bandwidth"
 timeout 90 $PY benchmark/attention_gpu_check.py || status=1
 
+echo "== split decode attention: flash partials merged by log-sum-exp against the whole"
+timeout 60 $PY benchmark/attention_split_gpu_check.py || status=1
+
 echo "== layer pipeline on CUDA streams"
 timeout 60 $PY benchmark/pipeline_gpu_check.py || status=1
 

@@ -47,10 +47,25 @@ SMOKE = LayerShape("smoke", 128, 4, 2, 32, 256)
 
 # Grids: prefill (sequences, prompt length) and decode (batch, context), capped in tokens so
 # the KV of one layer stays a few GB and the whole profile fits the GPU check's budget.
-PREFILL_GRID = [(1, 128), (1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192),
-                (4, 256), (4, 1024), (8, 512), (16, 256), (2, 4096)]
-DECODE_GRID = [(bs, ctx) for bs in (1, 8, 32, 64, 128, 256)
-               for ctx in (512, 2048, 8192, 32768) if bs * ctx <= 2**21]
+PREFILL_GRID = [
+    (1, 128),
+    (1, 512),
+    (1, 1024),
+    (1, 2048),
+    (1, 4096),
+    (1, 8192),
+    (4, 256),
+    (4, 1024),
+    (8, 512),
+    (16, 256),
+    (2, 4096),
+]
+DECODE_GRID = [
+    (bs, ctx)
+    for bs in (1, 8, 32, 64, 128, 256)
+    for ctx in (512, 2048, 8192, 32768)
+    if bs * ctx <= 2**21
+]
 
 
 class Layer:
@@ -82,7 +97,8 @@ class Layer:
 
 def prefill_attention(s: LayerShape, qkv: torch.Tensor, seqs: int, length: int) -> torch.Tensor:
     q, k, v = qkv.view(seqs, length, -1).split(
-        [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
+        [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1
+    )
     q = q.view(seqs, length, s.heads, s.head_dim).transpose(1, 2)
     k = k.reshape(seqs, length, s.kv_heads, s.head_dim).transpose(1, 2)
     v = v.reshape(seqs, length, s.kv_heads, s.head_dim).transpose(1, 2)
@@ -90,7 +106,9 @@ def prefill_attention(s: LayerShape, qkv: torch.Tensor, seqs: int, length: int) 
     return out.transpose(1, 2).reshape(seqs * length, s.heads * s.head_dim)
 
 
-def decode_attention(s: LayerShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def decode_attention(
+    s: LayerShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
     # The query heads of one KV group ride as a short query sequence: exact for one new token.
     bs = q.shape[0]
     group = s.heads // s.kv_heads
@@ -110,7 +128,8 @@ class Timer:
         times = []
         for _ in range(self.iters):
             if self.device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
                 end.record()
@@ -123,20 +142,45 @@ class Timer:
         return statistics.median(times)
 
 
+def time_prefill(layer: Layer, timer: Timer, x: torch.Tensor, seqs: int, length: int) -> dict:
+    s = layer.s
+    qkv = layer.project(x)
+    attn = prefill_attention(s, qkv, seqs, length)
+    total = timer.ms(lambda: layer.finish(x, prefill_attention(s, layer.project(x), seqs, length)))
+    core = timer.ms(lambda: prefill_attention(s, qkv, seqs, length))
+    dense = timer.ms(lambda: (layer.project(x), layer.finish(x, attn)))
+    return {"seqs": seqs, "len": length, "tokens": seqs * length,
+            "layer_ms": total, "attention_ms": core, "dense_ms": dense}  # fmt: skip
+
+
+def time_decode(layer: Layer, timer: Timer, x: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> dict:  # fmt: skip
+    s = layer.s
+    bs, ctx = x.shape[0], k.shape[2]
+    q = layer.project(x)[:, : s.heads * s.head_dim].contiguous()
+    attn = decode_attention(s, q, k, v)
+
+    def whole() -> torch.Tensor:
+        qq = layer.project(x)[:, : s.heads * s.head_dim]
+        return layer.finish(x, decode_attention(s, qq.contiguous(), k, v))
+
+    core = timer.ms(lambda: decode_attention(s, q, k, v))
+    kv_bytes = 2 * k.numel() * k.element_size()
+    return {"bs": bs, "ctx": ctx, "sum_ctx": bs * ctx, "layer_ms": timer.ms(whole),
+            "attention_ms": core,
+            "dense_ms": timer.ms(lambda: (layer.project(x), layer.finish(x, attn))),
+            "attention_GBps": kv_bytes / core / 1e6}  # fmt: skip
+
+
 def profile_prefill(layer: Layer, timer: Timer, grid, device: str, dtype) -> list[dict]:
-    s, rows = layer.s, []
+    rows = []
     for seqs, length in grid:
-        x = torch.randn(seqs * length, s.hidden, device=device, dtype=dtype)
-        qkv = layer.project(x)
-        attn = prefill_attention(s, qkv, seqs, length)
-        total = timer.ms(lambda: layer.finish(x, prefill_attention(s, layer.project(x), seqs, length)))
-        core = timer.ms(lambda: prefill_attention(s, qkv, seqs, length))
-        dense = timer.ms(lambda: (layer.project(x), layer.finish(x, attn)))
-        rows.append({"seqs": seqs, "len": length, "tokens": seqs * length,
-                     "layer_ms": total, "attention_ms": core, "dense_ms": dense})
-        print(f"  prefill {s.name:11} seqs={seqs:3} len={length:5}  layer {total:8.3f} ms"
-              f"  attention {core:8.3f}  dense {dense:8.3f}", flush=True)
-        del x, qkv, attn
+        x = torch.randn(seqs * length, layer.s.hidden, device=device, dtype=dtype)
+        r = time_prefill(layer, timer, x, seqs, length)
+        rows.append(r)
+        print(f"  prefill {layer.s.name:11} seqs={seqs:3} len={length:5}  layer"
+              f" {r['layer_ms']:8.3f} ms  attention {r['attention_ms']:8.3f}"
+              f"  dense {r['dense_ms']:8.3f}", flush=True)  # fmt: skip
     return rows
 
 
@@ -145,25 +189,11 @@ def profile_decode(layer: Layer, timer: Timer, grid, device: str, dtype) -> list
     for bs, ctx in grid:
         x = torch.randn(bs, s.hidden, device=device, dtype=dtype)
         k = torch.randn(bs, s.kv_heads, ctx, s.head_dim, device=device, dtype=dtype)
-        v = torch.randn_like(k)
-        q = layer.project(x)[:, : s.heads * s.head_dim].contiguous()
-        attn = decode_attention(s, q, k, v)
-
-        def whole():
-            qq = layer.project(x)[:, : s.heads * s.head_dim]
-            return layer.finish(x, decode_attention(s, qq.contiguous(), k, v))
-
-        total = timer.ms(whole)
-        core = timer.ms(lambda: decode_attention(s, q, k, v))
-        dense = timer.ms(lambda: (layer.project(x), layer.finish(x, attn)))
-        kv_bytes = 2 * k.numel() * k.element_size()
-        rows.append({"bs": bs, "ctx": ctx, "sum_ctx": bs * ctx, "layer_ms": total,
-                     "attention_ms": core, "dense_ms": dense,
-                     "attention_GBps": kv_bytes / core / 1e6})
-        print(f"  decode  {s.name:11} bs={bs:4} ctx={ctx:6}  layer {total:8.3f} ms"
-              f"  attention {core:8.3f} ({kv_bytes / core / 1e6:7.0f} GB/s)  dense {dense:8.3f}",
-              flush=True)
-        del x, k, v, q, attn
+        r = time_decode(layer, timer, x, k, torch.randn_like(k))
+        rows.append(r)
+        print(f"  decode  {s.name:11} bs={bs:4} ctx={ctx:6}  layer {r['layer_ms']:8.3f} ms"
+              f"  attention {r['attention_ms']:8.3f} ({r['attention_GBps']:7.0f} GB/s)"
+              f"  dense {r['dense_ms']:8.3f}", flush=True)  # fmt: skip
     return rows
 
 
@@ -174,19 +204,22 @@ def least_squares(columns: list[list[float]], y: list[float]) -> list[float]:
 
 
 def fit(rows: list[dict], kind: str) -> dict:
-    """DistServe's form over per-batch times (ms); the worst relative error says how well it holds."""
+    """DistServe's form over per-batch times (ms); the worst relative error says how it holds."""
     if kind == "prefill":
-        cols = [[1.0] * len(rows), [r["tokens"] for r in rows],
-                [r["seqs"] * r["len"] ** 2 for r in rows]]
+        cols = [
+            [1.0] * len(rows),
+            [r["tokens"] for r in rows],
+            [r["seqs"] * r["len"] ** 2 for r in rows],
+        ]
         names = ["a_ms", "b_ms_per_token", "c_ms_per_token2"]
     else:
         cols = [[1.0] * len(rows), [r["sum_ctx"] for r in rows], [r["bs"] for r in rows]]
         names = ["a_ms", "b_ms_per_ctx_token", "c_ms_per_seq"]
     y = [r["layer_ms"] for r in rows]
     coef = least_squares(cols, y)
-    pred = [sum(c * col[i] for c, col in zip(coef, cols)) for i in range(len(rows))]
-    worst = max(abs(p - t) / t for p, t in zip(pred, y))
-    return {**dict(zip(names, coef)), "max_rel_error": worst}
+    pred = [sum(c * col[i] for c, col in zip(coef, cols, strict=True)) for i in range(len(rows))]
+    worst = max(abs(p - t) / t for p, t in zip(pred, y, strict=True))
+    return {**dict(zip(names, coef, strict=True)), "max_rel_error": worst}
 
 
 def copy_bandwidth(device: str, timer: Timer, mib: int) -> dict:
@@ -196,9 +229,13 @@ def copy_bandwidth(device: str, timer: Timer, mib: int) -> dict:
     dev = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
     h2d = timer.ms(lambda: dev.copy_(host, non_blocking=True))
     d2h = timer.ms(lambda: host.copy_(dev, non_blocking=True))
-    out = {"bytes": mib << 20, "h2d_GBps": (mib << 20) / h2d / 1e6, "d2h_GBps": (mib << 20) / d2h / 1e6}
-    print(f"  pinned copies of {mib} MiB: host->device {out['h2d_GBps']:.1f} GB/s, "
-          f"device->host {out['d2h_GBps']:.1f} GB/s", flush=True)
+    size = mib << 20
+    out = {"bytes": size, "h2d_GBps": size / h2d / 1e6, "d2h_GBps": size / d2h / 1e6}
+    print(
+        f"  pinned copies of {mib} MiB: host->device {out['h2d_GBps']:.1f} GB/s, "
+        f"device->host {out['d2h_GBps']:.1f} GB/s",
+        flush=True,
+    )
     return out
 
 
@@ -216,16 +253,20 @@ def main() -> int:
     timer = Timer(device, args.iters if cuda else 2)
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu (smoke run, not a measurement)",
-        "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
         "method": f"median of {timer.iters} timed calls after 2 warm-ups; CUDA events; one layer",
-        "copies": copy_bandwidth(device, timer, 256), "models": {},
+        "copies": copy_bandwidth(device, timer, 256),
+        "models": {},
     }
     for s in shapes:
         layer = Layer(s, device, dtype)
         pre = profile_prefill(layer, timer, prefill_grid, device, dtype)
         dec = profile_decode(layer, timer, decode_grid, device, dtype)
         result["models"][s.name] = {
-            "shape": asdict(s), "prefill": pre, "decode": dec,
+            "shape": asdict(s),
+            "prefill": pre,
+            "decode": dec,
             "fit": {"prefill": fit(pre, "prefill"), "decode": fit(dec, "decode")},
         }
         f = result["models"][s.name]["fit"]

@@ -44,6 +44,17 @@ class Event {
   cudaEvent_t e_ = nullptr;
 };
 
+// Whether CUDA knows `p` as page-locked host memory (cudaHostAlloc'd or registered, as torch's
+// pin_memory() is): the DMA engine reads and writes it directly, at full link bandwidth.
+bool is_pinned_host(std::uintptr_t p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(p)) != cudaSuccess) {
+    cudaGetLastError();  // pageable memory may report an error on old drivers: clear it
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost;
+}
+
 class CudaCopier final : public StageCopier {
  public:
   CudaCopier(const PipelineSpec& spec, int device, std::uintptr_t compute_stream)
@@ -74,19 +85,23 @@ class CudaCopier final : public StageCopier {
 
   void fetch(int /*layer*/, int slot, const LayerSegments& segments) override {
     const cudaEvent_t done = fetch_done_[static_cast<std::size_t>(slot)].get();
-    // Always through the pinned slot, as for one-piece layers: the caller's host memory may be
-    // pageable, where cudaMemcpyAsync degrades to a driver-staged blocking copy, and the pipeline
-    // does not know which it got. Segments are packed back to back in the slot; one
-    // cudaMemcpyAsync per segment because the device pages are scattered.
+    // Pinned sources are copied directly: staging them cost a host memcpy on this one thread,
+    // which bounded the pipeline (7.7 GB/s against 55 GB/s pinned on an H200, RESULTS.md).
+    // Pageable ones go through the pinned slot (from pageable memory cudaMemcpyAsync degrades
+    // to a driver-staged blocking copy), packed back to back. One cudaMemcpyAsync per segment
+    // because the device pages are scattered.
     char* staging = slot_ptr(slot);
     std::size_t offset = 0;
     for (const LayerCopy& c : segments) {
       if (c.bytes == 0) continue;
-      std::memcpy(staging + offset, reinterpret_cast<const void*>(c.src), c.bytes);
-      BANASERVE_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(c.dst), staging + offset,
-                                           c.bytes, cudaMemcpyHostToDevice,
-                                           fetch_stream_->get()));
-      offset += c.bytes;
+      const void* from = reinterpret_cast<const void*>(c.src);
+      if (!is_pinned_host(c.src)) {
+        std::memcpy(staging + offset, from, c.bytes);
+        from = staging + offset;
+        offset += c.bytes;
+      }
+      BANASERVE_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(c.dst), from, c.bytes,
+                                           cudaMemcpyHostToDevice, fetch_stream_->get()));
     }
     BANASERVE_CUDA_CHECK(cudaEventRecord(done, fetch_stream_->get()));
     // The staging slot is held until the copy out of it has completed.
@@ -110,20 +125,28 @@ class CudaCopier final : public StageCopier {
     // The device side orders the store after the layer's compute; the host thread only waits
     // for the copies into staging to land, then scatters them to the host destinations.
     BANASERVE_CUDA_CHECK(cudaStreamWaitEvent(store_stream_->get(), compute_done_[s].get(), 0));
+    // Pinned destinations are written by the DMA engine directly; the others through staging.
     char* staging = slot_ptr(slot);
+    std::vector<bool> staged(segments.size(), false);
     std::size_t offset = 0;
-    for (const LayerCopy& c : segments) {
+    for (std::size_t i = 0; i < segments.size(); ++i) {
+      const LayerCopy& c = segments[i];
       if (c.bytes == 0) continue;
-      BANASERVE_CUDA_CHECK(cudaMemcpyAsync(staging + offset, reinterpret_cast<const void*>(c.src),
-                                           c.bytes, cudaMemcpyDeviceToHost,
-                                           store_stream_->get()));
-      offset += c.bytes;
+      void* to = reinterpret_cast<void*>(c.dst);
+      if (!is_pinned_host(c.dst)) {
+        staged[i] = true;
+        to = staging + offset;
+        offset += c.bytes;
+      }
+      BANASERVE_CUDA_CHECK(cudaMemcpyAsync(to, reinterpret_cast<const void*>(c.src), c.bytes,
+                                           cudaMemcpyDeviceToHost, store_stream_->get()));
     }
     BANASERVE_CUDA_CHECK(cudaEventRecord(store_done_[s].get(), store_stream_->get()));
     BANASERVE_CUDA_CHECK(cudaEventSynchronize(store_done_[s].get()));
     offset = 0;
-    for (const LayerCopy& c : segments) {
-      if (c.bytes == 0) continue;
+    for (std::size_t i = 0; i < segments.size(); ++i) {
+      if (!staged[i]) continue;
+      const LayerCopy& c = segments[i];
       std::memcpy(reinterpret_cast<void*>(c.dst), staging + offset, c.bytes);
       offset += c.bytes;
     }
