@@ -25,7 +25,7 @@ from support.kvstore_shards import (
     start_shard,
     wait_for_pages,
 )
-from support.servers import Server
+from support.servers import STATE_TIMEOUT, Server
 
 PAGE = 16
 
@@ -230,15 +230,18 @@ def test_the_offload_puts_the_pages_the_forward_copied(store_url: str) -> None:
 
 def test_a_lookup_waits_for_pages_another_instance_claimed(store_url: str) -> None:
     """The decode side of a handoff may look pages up before the prefill's offload lands: the
-    prefill instance's lookup claimed them, so the decode's waits for the PUT."""
-    import threading
-    import time
+    prefill instance's lookup claimed them, so the decode's waits for the PUT.
 
+    Until issue 35 the offload ran on a 0.5 s timer and the waits were told apart by elapsed
+    time; now the store's own counter says when the decode's lookup waits (the offload runs only
+    then) and that the lookups that must not wait did not, with waits long enough (60 s) that a
+    wrong one would stop the test rather than pass unseen."""
     import torch
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
     from banaserve.kvstore.client import KvStoreClient
     from banaserve.sglang_ext import abort_release
+    from support.kvstore_claims import Background, wait_until
 
     layers, page = 3, 4
     hashes = [f"claimed-{os.urandom(4).hex()}-{i}" for i in range(3)]
@@ -247,36 +250,35 @@ def test_a_lookup_waits_for_pages_another_instance_claimed(store_url: str) -> No
         KvStoreClient([store_url], token=TOKEN) as a_client,
         KvStoreClient([store_url], token=TOKEN) as b_client,
     ):
+
+        def claim_waits() -> int:
+            return a_client.stats()[store_url]["server"]["claim_waits"]
+
         model = f"handoff-{os.urandom(4).hex()}"  # the two linkers share a namespace
         prefill = bare_linker(a_client, layers, depth=2, page=page, model=model)
         decode = bare_linker(b_client, layers, depth=2, page=page, model=model)
+        decode.lookup_wait_s = prefill.lookup_wait_s = 60.0
         assert prefill.lookup("r1", lookup) == []  # a miss that claims the three pages
+        waits = claim_waits()
+        waiting = Background(lambda: decode.lookup("r2", lookup))
+        wait_until(lambda: claim_waits() > waits, STATE_TIMEOUT)
+        assert not waiting.done(), "the decode's lookup did not wait for the claimed pages"
         slots = torch.arange(0, 3 * page)
-        offload = threading.Timer(
-            0.5,
-            lambda: prefill.offloader.store(
-                PoolTransfer(PoolName.KV, device_indices=slots, keys=hashes)
-            ),
-        )
-        offload.start()
-        started = time.monotonic()
-        assert decode.lookup("r2", lookup) == [1, 2, 3]
-        assert time.monotonic() - started >= 0.4
-        offload.join()
+        prefill.offloader.store(PoolTransfer(PoolName.KV, device_indices=slots, keys=hashes))
+        assert waiting.result(timeout=STATE_TIMEOUT) == [1, 2, 3]
         # Without the wait the same race is a miss (and the decode computes the prompt again).
         other = [f"{key}-again" for key in hashes]
         assert prefill.lookup("r3", [PoolTransfer(PoolName.KV, keys=other)]) == []
         decode.lookup_wait_s = 0.0
         assert decode.lookup("r4", [PoolTransfer(PoolName.KV, keys=other)]) == []
+        decode.lookup_wait_s = 60.0
         # An instance never waits for its own claims (the decode's miss claimed `other`).
         mine = [PoolTransfer(PoolName.KV, keys=[f"{key}-mine" for key in hashes])]
         assert prefill.lookup("r5", mine) == []
-        started = time.monotonic()
+        waits = claim_waits()
         assert prefill.lookup("r6", mine) == []
-        assert time.monotonic() - started < 2.0
+        assert claim_waits() == waits
         # A request aborted before computing its pages releases its claims: no one waits.
         abort_release.request_aborted("r6")
-        decode.lookup_wait_s = 5.0
-        started = time.monotonic()
         assert decode.lookup("r7", mine) == []
-        assert time.monotonic() - started < 2.0
+        assert claim_waits() == waits

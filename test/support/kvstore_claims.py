@@ -66,7 +66,7 @@ class Background:
         return self.finished - self.started
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"

@@ -54,7 +54,7 @@ def generate(server: Server, text: str) -> dict:
     return answer.json()
 
 
-def wait_for_pages(urls: list[str], at_least: int, timeout: float = 60) -> None:
+def wait_for_pages(urls: list[str], at_least: int, timeout: float = 120) -> None:
     """Instances write to the store in the background; wait until the pages are there."""
     deadline = time.monotonic() + timeout
     with KvStoreClient(urls, token=TOKEN) as client:

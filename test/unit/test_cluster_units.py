@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -216,29 +216,54 @@ def test_a_prompt_the_cluster_holds_skips_the_prefill_step() -> None:
 
 
 def test_a_burst_on_a_new_prefix_waits_for_its_prefill_step() -> None:
+    # Until issue 35 the prefill step lasted 0.5 s and the burst came 0.1 s after it began, so
+    # a slow machine could send the burst after the step ended and pass without testing the
+    # wait. Now the step lasts until the gateway counts all three followers waiting for it.
     events: list[str] = []
+    release = asyncio.Event()
 
-    async def slow_prefill(request: web.Request) -> web.Response:
+    async def held_prefill(request: web.Request) -> web.Response:
         body = await request.json()
         if body["sampling_params"]["max_new_tokens"] == 1:
             events.append("prefill started")
-            await asyncio.sleep(0.5)
+            await release.wait()
             events.append("prefill done")
         else:
             events.append("served")
         return web.json_response({"text": "ok"})
 
+    async def followed(url: str) -> int:
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/cluster") as answer:
+            return (await answer.json())["gateway"]["followed"]
+
+    async def until(predicate: Callable[[], Awaitable[bool]]) -> None:
+        for _ in range(3000):  # 30 s: only a bound for a broken run
+            if await predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("state not reached")
+
     async def scenario() -> None:
-        async with upstream(slow_prefill) as port:
+        async with upstream(held_prefill) as port:
             specs = [InstanceSpec("prefill-0", PREFILL, port)]
             async with gateway_for(specs) as url:
                 follower = {"text": LONG["text"] + "why?", "sampling_params": {
                     "max_new_tokens": 5}}  # fmt: skip
                 first = asyncio.create_task(post(f"{url}/generate", LONG))
-                await asyncio.sleep(0.1)
-                answers = await asyncio.gather(
-                    *(post(f"{url}/generate", follower) for _ in range(3))
-                )
+
+                async def started() -> bool:
+                    return "prefill started" in events
+
+                await until(started)
+                burst = [asyncio.create_task(post(f"{url}/generate", follower)) for _ in range(3)]
+
+                async def all_follow() -> bool:
+                    return await followed(url) == 3
+
+                await until(all_follow)
+                assert events == ["prefill started"], "a follower did not wait for the step"
+                release.set()
+                answers = await asyncio.gather(*burst)
                 assert all(status == 200 for status, _ in [*answers, await first])
         assert events == ["prefill started", "prefill done"] + ["served"] * 4
 

@@ -23,24 +23,29 @@ from support.kvstore_ucx import PAGE, TOKEN, _pages
 
 
 def test_server_down_is_a_miss() -> None:
-    # Nobody listens: the first send fails at once, the shard is down, every read a miss.
+    # Nobody listens: the first send fails at once, the shard is down, every read a miss. Had
+    # any call waited for its timeout (60 s), the bound would fail on any machine (until issue
+    # 35: a 2 s timeout and a 10 s bound, which a slow UCX start-up could pass or fail).
     url = f"ucx://127.0.0.1:{free_port()}"
     started = time.monotonic()
-    with KvStoreClient(url, timeout=2.0) as client:
+    with KvStoreClient(url, timeout=60.0) as client:
         keys, pages = _pages(2)
         assert client.get(keys, [np.zeros(PAGE, np.uint8) for _ in keys]) == [False, False]
         assert client.exists(keys) == [False, False]
         assert client.put(keys, pages) == [False, False]
-    assert time.monotonic() - started < 10.0
+    assert time.monotonic() - started < 45.0
 
 
 def test_ucx_put_wakes_tcp_waiters() -> None:
-    """A page PUT over ucx:// ends the TCP server's claim on it (``on_stored``)."""
-    import threading
+    """A page PUT over ucx:// ends the TCP server's claim on it (``on_stored``).
 
+    Until issue 35 the PUT came 0.3 s after the waiter started (a sleep) and had to wake it
+    within 3 s of a 20 s wait; now it comes once the server counts the wait, and the wait is
+    120 s, so a waiter that the PUT did not wake fails the 60 s bound on any machine."""
     from banaserve.kvstore.server import ServerConfig
     from banaserve.kvstore.storage import TieredStore
     from banaserve.kvstore.ucx_server import start_ucx_listener
+    from support.kvstore_claims import Background, wait_until
     from support.kvstore_server import InProcessServer
 
     store = TieredStore(64 << 20)
@@ -52,19 +57,16 @@ def test_ucx_put_wakes_tcp_waiters() -> None:
         with (
             KvStoreClient(server.url, token=TOKEN) as a,
             KvStoreClient(server.url, token=TOKEN) as b,
-            KvStoreClient(ucx.url, token=TOKEN, timeout=5.0) as u,
+            KvStoreClient(ucx.url, token=TOKEN, timeout=60.0) as u,
         ):
             assert a.lookup(keys, owner="A") == 0
-            found: list[int] = []
-            waiter = threading.Thread(
-                target=lambda: found.append(b.lookup(keys, owner="B", wait_s=20))
-            )
-            waiter.start()
-            time.sleep(0.3)
+            waiter = Background(lambda: b.lookup(keys, owner="B", wait_s=120))
+            wait_until(lambda: a.stats()[server.url]["server"]["claim_waits"] >= 1, timeout=60)
+            assert not waiter.done()
             start = time.monotonic()
             assert u.put(keys, pages) == [True, True]
-            waiter.join(10)
-            assert found == [2] and time.monotonic() - start < 3
+            assert waiter.result(timeout=130) == 2
+            assert waiter.finished is not None and waiter.finished - start < 60
     finally:
         ucx.close()
         server.close()
