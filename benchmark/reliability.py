@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from banaserve.platform.fault_injection import CRASH_ON_TEXT_ENV  # noqa: E402
+from banaserve.env import CRASH_ON_TEXT_ENV  # noqa: E402
 from banaserve.utils.processes import ManagedProcess, free_port  # noqa: E402
 from compare_systems import banaserve_env  # noqa: E402
 

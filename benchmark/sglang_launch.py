@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "python") not in sys.path:
     sys.path.insert(0, str(REPO / "python"))
 
-from banaserve.server.cli import CPU_DEFAULT_DTYPE  # noqa: E402
+from banaserve.config.cli import CPU_DEFAULT_DTYPE  # noqa: E402
 from banaserve.utils.processes import ChildFailed, ManagedProcess, free_port  # noqa: E402
 
 #: Server flags for the CPU; the caller's flags come after them, so they can override any.

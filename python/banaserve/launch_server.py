@@ -17,9 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from banaserve.migration.boundary_control import MOVABLE_ENV, split_dir_for
-from banaserve.platform import cpu_platform_wanted, install
-from banaserve.server.cli import (
+from banaserve.api.request_limits import RequestLimits
+from banaserve.config.cli import (
     ClusterOptions,
     LaunchConfig,
     build_parser,
@@ -27,17 +26,19 @@ from banaserve.server.cli import (
     request_limits_from_args,
     split_banaserve_args,
 )
-from banaserve.server.kv_pool_sizing import size_kv_pool
-from banaserve.server.memory_plan import host_pool_ratio
-from banaserve.server.pipeline_options import (
+from banaserve.config.pipeline_options import (
     check_boundary_flags,
     layer_split,
     lending_split,
     movable_env,
     pipeline_env,
 )
-from banaserve.server.request_limits import RequestLimits
-from banaserve.server.store_options import KV_STORE_EMBEDDED, KvStoreOptions
+from banaserve.config.store_options import KV_STORE_EMBEDDED, KvStoreOptions
+from banaserve.env import MOVABLE_ENV
+from banaserve.migration.boundary_control import split_dir_for
+from banaserve.platform import cpu_platform_wanted, install
+from banaserve.server.kv_pool_sizing import size_kv_pool
+from banaserve.server.memory_plan import host_pool_ratio
 from banaserve.utils.processes import ManagedProcess
 
 # The .pth file normally installed the hook already; this covers running from a source tree,
@@ -143,7 +144,7 @@ def pipeline_plan(
     *, serves: bool,
 ) -> dict[str, str]:  # fmt: skip
     """The environment SGLang's pipeline stages need (see
-    :mod:`banaserve.server.pipeline_options`), for this process's cores; ValueError when
+    :mod:`banaserve.config.pipeline_options`), for this process's cores; ValueError when
     ``--pp-layer-boundary`` does not fit ``--pp-size`` or the model. ``serves``: this process
     runs the server; a cluster's launcher only checks, since each instance's own launcher
     decides its environment, from the cores it is pinned to."""
@@ -171,7 +172,7 @@ def pipeline_plan(
 def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, list[str]]:
     """Start the embedded shard if asked; return it and the SGLang flags that attach to the
     store. The token reaches SGLang's children through the environment, not the argv."""
-    from banaserve.kvstore import TOKEN_ENV
+    from banaserve.env import TOKEN_ENV
     from banaserve.server.store_start import start_store
 
     started = start_store(options)

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import requests
 
-from banaserve.platform.fault_injection import CRASH_ON_TEXT_ENV
+from banaserve.env import CRASH_ON_TEXT_ENV
 from support.cluster import (
     RESTART_TIMEOUT_S,
     Cluster,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from banaserve.server.pipeline_options import threads_bind
+from banaserve.config.pipeline_options import threads_bind
 from support.pipeline import BOUNDARY, LAYERS, SPLIT_KV_TOKENS, generate, streamed
 from support.servers import Server
 from support.stages import stage_processes, thread_masks

@@ -17,24 +17,24 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from banaserve.api.request_validation import CHAT, COMPLETIONS, GENERATE
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.prometheus import render_metrics
 from banaserve.cluster.relay_bodies import prefill_body
 from banaserve.cluster.run import instance_launch_argv, memory_plan
 from banaserve.cluster.topology import DECODE, PREFILL, InstanceSpec, plan_cores, plan_instances
+from banaserve.config.cli import (
+    KV_STORE_VALUE_FLAGS,
+    build_parser,
+    drop_flags,
+)
+from banaserve.config.store_options import KvStoreOptions
 from banaserve.kvstore.client import KvStoreError
 from banaserve.launch_server import plan_launch
 from banaserve.router.placement import NoStorePlacer
 from banaserve.router.policies import POLICY_NAMES, make_policy
 from banaserve.router.request_shape import shape_request
-from banaserve.server.cli import (
-    KV_STORE_VALUE_FLAGS,
-    build_parser,
-    drop_flags,
-)
-from banaserve.server.request_validation import CHAT, COMPLETIONS, GENERATE
-from banaserve.server.store_options import KvStoreOptions
 from banaserve.utils.processes import free_port
 from support.gateway import Handler, gateway_for, post, upstream
 

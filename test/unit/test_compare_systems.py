@@ -15,7 +15,7 @@ from compare_workloads import SWEEP_RATES, sweep_workloads, workloads
 
 def parsed(argv: list[str]) -> argparse.Namespace:
     """``argv`` (``python -m MODULE flags…``) through the parser its program uses."""
-    from banaserve.server.cli import build_parser
+    from banaserve.config.cli import build_parser
 
     flags = argv[argv.index("-m") + 2 :]
     # BanaServe's parser is SGLang's with BanaServe's group, so it reads every system's flags.

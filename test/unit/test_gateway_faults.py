@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from banaserve.api.request_limits import ModelLimits, RequestLimits
 from banaserve.cluster.intake import Intake
 from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.supervisor import Death
 from banaserve.cluster.topology import DECODE, PREFILL, InstanceSpec
-from banaserve.server.request_limits import ModelLimits, RequestLimits
 from support.gateway import gateway_for, post, upstream
 
 MODEL = ModelLimits(vocab_size=100, context_length=64, max_token_bytes=4)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from banaserve.server.store_options import KvStoreOptions
+from banaserve.config.store_options import KvStoreOptions
 from banaserve.sglang_ext.store_metrics import BYTES, SECONDS, store_metrics
 from support.kvstore_claims import in_process_server
 from support.kvstore_server import TOKEN, InProcessServer

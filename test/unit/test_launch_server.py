@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from banaserve.config.cli import CPU_DEFAULT_DTYPE, build_parser
 from banaserve.launch_server import plan_launch
 from banaserve.server import kv_pool_sizing
-from banaserve.server.cli import CPU_DEFAULT_DTYPE, build_parser
 from banaserve.server.memory_plan import weights_bytes
 
 

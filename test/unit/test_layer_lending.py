@@ -21,9 +21,10 @@ from banaserve.cluster.topology import (
     plan_instances,
     record_fallback,
 )
+from banaserve.config.pipeline_options import LayerSplit, lending_split
+from banaserve.env import THREADS_BIND_ENV
 from banaserve.launch_server import plan_launch
 from banaserve.router.load import InstanceLoad
-from banaserve.server.pipeline_options import THREADS_BIND_ENV, LayerSplit, lending_split
 
 SPLIT = LayerSplit(15, 30)
 PP_FLAGS = ("--pp-size", "2", "--pp-layer-boundary", "15", "--pp-min-boundary", "1")

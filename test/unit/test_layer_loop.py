@@ -19,10 +19,10 @@ from aiohttp import web
 from banaserve.cluster.layer_loop import LayerMigration, split_instances
 from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.topology import layer_layout, lend_decode_layers, plan_instances
+from banaserve.config.pipeline_options import LayerSplit
 from banaserve.migration.layer_controller import LayerController, LayerControllerConfig
 from banaserve.router.load import InstanceLoad
 from banaserve.server.kv_pool_sizing import layer_weight_bytes
-from banaserve.server.pipeline_options import LayerSplit
 from banaserve.utils.processes import free_port
 from support.gateway import gateway_for, post
 

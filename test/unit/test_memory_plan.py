@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from banaserve.cluster.run import memory_plan
+from banaserve.config.cli import build_parser
 from banaserve.launch_server import plan_launch
 from banaserve.server import kv_pool_sizing
-from banaserve.server.cli import build_parser
 from banaserve.server.memory_plan import (
     GIB,
     PROCESS_BYTES,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from banaserve.config.pipeline_options import LayerSplit, movable_env, split_from_env
+from banaserve.env import LAYER_PARTITION_ENV, MOVABLE_ENV, SPLIT_DIR_ENV
 from banaserve.migration.boundary_control import (
-    MOVABLE_ENV,
-    SPLIT_DIR_ENV,
     BoundaryControl,
     BoundaryState,
     remove_orphan_split_dirs,
@@ -22,12 +22,6 @@ from banaserve.migration.boundary_control import (
 )
 from banaserve.platform import import_hook, pp_movable
 from banaserve.server.boundary_route import boundary_asked
-from banaserve.server.pipeline_options import (
-    LAYER_PARTITION_ENV,
-    LayerSplit,
-    movable_env,
-    split_from_env,
-)
 
 LAYERS = 8
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from banaserve.api.request_validation import GENERATE
 from banaserve.router.placement import NoStorePlacer, Placement, Placer, PromptIndex
 from banaserve.router.request_shape import RequestShape
-from banaserve.server.request_validation import GENERATE
 
 SYSTEM = "You are a careful assistant who answers in one word. " * 40  # about 2,100 chars
 

@@ -10,18 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from banaserve.launch_server import plan_launch
-from banaserve.migration.boundary_control import MOVABLE_ENV, SPLIT_DIR_ENV
-from banaserve.platform import pp_cpu
-from banaserve.server.pipeline_options import (
-    LAYER_PARTITION_ENV,
-    THREADS_BIND_ENV,
+from banaserve.config.pipeline_options import (
     LayerSplit,
     layer_split,
     model_num_layers,
     pipeline_env,
     threads_bind,
 )
+from banaserve.env import LAYER_PARTITION_ENV, MOVABLE_ENV, SPLIT_DIR_ENV, THREADS_BIND_ENV
+from banaserve.launch_server import plan_launch
+from banaserve.platform import pp_cpu
 
 
 def config_dir(tmp_path: Path, config: dict) -> Path:

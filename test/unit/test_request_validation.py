@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from banaserve.server.request_limits import (
+from banaserve.api.request_limits import (
     ModelLimits,
     RequestLimits,
     RequestRejected,
@@ -14,7 +14,7 @@ from banaserve.server.request_limits import (
     json_depth_exceeds,
     parse_json_object,
 )
-from banaserve.server.request_validation import CHAT, COMPLETIONS, GENERATE, validate_generation
+from banaserve.api.request_validation import CHAT, COMPLETIONS, GENERATE, validate_generation
 
 MODEL = ModelLimits(vocab_size=2048, context_length=512, max_token_bytes=8)
 LIMITS = RequestLimits(max_body_bytes=1 << 20, max_json_depth=8, max_n=4)

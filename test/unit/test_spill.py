@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from banaserve.api.request_validation import GENERATE
 from banaserve.launch_server import plan_launch
 from banaserve.router import (
     SPILL_PREFILL,
@@ -20,7 +21,6 @@ from banaserve.router import (
     make_policy,
     prefill_backlogged,
 )
-from banaserve.server.request_validation import GENERATE
 
 MIN = 256
 LONG = "An uncached document the cluster has never seen. " * 100  # about 1,250 tokens

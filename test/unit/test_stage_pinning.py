@@ -9,9 +9,9 @@ import types
 
 import pytest
 
+from banaserve.env import THREADS_BIND_ENV
 from banaserve.platform import stage_pinning
 from banaserve.platform.stage_pinning import parse_cpu_list, patch_bootstrap, pin_process
-from banaserve.server.pipeline_options import THREADS_BIND_ENV
 
 
 def test_cpu_lists_parse_as_sglang_writes_them() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from banaserve.server.store_options import KvStoreOptions
+from banaserve.config.store_options import KvStoreOptions
 
 OPTIONS = KvStoreOptions([], True, "secret-token", 2, 3.0, "tenant a", "linker", 7.5)
 URLS = ["tcp://h:1", "shm://h:2"]
@@ -38,7 +38,7 @@ def test_options_reach_the_linker_unchanged() -> None:
 
 
 def test_an_empty_extra_config_gives_the_flags_defaults() -> None:
-    from banaserve.server.cli import build_parser
+    from banaserve.config.cli import build_parser
 
     args = build_parser().parse_args(["--kv-store", "tcp://h:1"])
     assert KvStoreOptions.from_extra({"urls": ["tcp://h:1"]}) == KvStoreOptions.from_args(args)

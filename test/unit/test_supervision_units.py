@@ -8,8 +8,8 @@ Children that die with their parent and the reaper's clean-up, with real process
 from __future__ import annotations
 
 from banaserve.cluster.poison import PoisonGuard, Retry
-from banaserve.cluster.restart_policy import RestartPolicy
 from banaserve.cluster.supervisor import crashed_by_itself
+from banaserve.config.restart_policy import RestartPolicy
 
 
 class Clock:

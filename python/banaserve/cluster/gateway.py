@@ -39,6 +39,8 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from banaserve.api.request_limits import RequestRejected, check_body_size, check_content_type
+from banaserve.api.request_validation import GENERATION_PATHS
 from banaserve.cluster import cache_admin
 from banaserve.cluster.cache_admin import ClearStore
 from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
@@ -53,8 +55,6 @@ from banaserve.router.base import NoHealthyInstance, Policy, Role
 from banaserve.router.placement import Placement, Placer
 from banaserve.router.router import Router
 from banaserve.router.spill import SPILL_PREFILL
-from banaserve.server.request_limits import RequestRejected, check_body_size, check_content_type
-from banaserve.server.request_validation import GENERATION_PATHS
 
 logger = logging.getLogger("banaserve.cluster")
 

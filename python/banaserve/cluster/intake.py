@@ -1,8 +1,8 @@
 """The gateway's request intake: parse, validate and measure a body off the event loop.
 
 Every generation request passes here before any instance sees it. The work (JSON decoding
-within :class:`~banaserve.server.request_limits.RequestLimits`, the field checks of
-:mod:`banaserve.server.request_validation`, tokenising the prompt for routing and for the
+within :class:`~banaserve.api.request_limits.RequestLimits`, the field checks of
+:mod:`banaserve.api.request_validation`, tokenising the prompt for routing and for the
 context check, the body's digest) runs on a few worker threads, so the event loop, and with
 it ``/health``, never waits on a large body. The tokenizer releases the GIL (it is called in
 batch form), and a text longer than the context can hold is refused from its byte length
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from banaserve.router.request_shape import RequestShape, shape_request
-from banaserve.server.request_limits import (
+from banaserve.api.request_limits import (
     ModelLimits,
     RequestLimits,
     RequestRejected,
     parse_json_object,
 )
-from banaserve.server.request_validation import CHAT, too_long_message, validate_generation
+from banaserve.api.request_validation import CHAT, too_long_message, validate_generation
+from banaserve.router.request_shape import RequestShape, shape_request
 
 logger = logging.getLogger("banaserve.cluster")
 

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from banaserve.cluster.migration_loop import HISTORY, TICK_S, MigrationRefused, admin_call
 from banaserve.cluster.topology import MIN_BOUNDARY, InstanceSpec, record_fallback
+from banaserve.config.pipeline_options import LayerSplit
 from banaserve.migration.arrival_trend import ArrivalTrend
 from banaserve.migration.boundary_control import checked_boundary
 from banaserve.migration.layer_controller import (
@@ -40,7 +41,6 @@ from banaserve.migration.layer_controller import (
 )
 from banaserve.router.board import Board
 from banaserve.server.kv_pool_sizing import layer_weight_bytes
-from banaserve.server.pipeline_options import LayerSplit
 
 logger = logging.getLogger("banaserve.cluster")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from banaserve.server.request_validation import GENERATE
+from banaserve.api.request_validation import GENERATE
 
 
 def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from banaserve.api.request_limits import ModelLimits
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.intake import Intake, load_tokenizer, model_vocab_size
 from banaserve.cluster.layer_loop import LayerLending, LayerMigration
@@ -42,9 +43,7 @@ from banaserve.cluster.topology import (
     plan_cores,
     plan_instances,
 )
-from banaserve.platform import cpu_platform_wanted
-from banaserve.router.placement import NoStorePlacer, Placer
-from banaserve.server.cli import (
+from banaserve.config.cli import (
     CLUSTER_SWITCHES,
     CLUSTER_VALUE_FLAGS,
     KV_STORE_VALUE_FLAGS,
@@ -52,11 +51,12 @@ from banaserve.server.cli import (
     cpu_dtype,
     drop_flags,
 )
+from banaserve.config.pipeline_options import BOUNDARY_FLAG, lending_split
+from banaserve.config.store_options import KvStoreOptions
+from banaserve.platform import cpu_platform_wanted
+from banaserve.router.placement import NoStorePlacer, Placer
 from banaserve.server.kv_pool_sizing import available_memory_bytes, size_kv_pool
 from banaserve.server.memory_plan import MemoryPlan, host_pool_ratio, plan_memory
-from banaserve.server.pipeline_options import BOUNDARY_FLAG, lending_split
-from banaserve.server.request_limits import ModelLimits
-from banaserve.server.store_options import KvStoreOptions
 from banaserve.utils.processes import ChildFailed, ManagedProcess, exit_on_sigterm, free_port
 
 logger = logging.getLogger("banaserve.cluster")
@@ -121,7 +121,7 @@ def run_cluster(
     ChildFailed when start-up fails, and before starting anything MemoryPlanError when the
     plan does not fit in host memory and ValueError when the layout cannot be made (no core
     to lend a decode instance's layers to)."""
-    from banaserve.kvstore import TOKEN_ENV
+    from banaserve.env import TOKEN_ENV
     from banaserve.server.store_start import start_store
 
     exit_on_sigterm()  # so a SIGTERM during start-up still stops what was started

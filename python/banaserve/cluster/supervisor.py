@@ -2,7 +2,7 @@
 
 :meth:`Supervisor.run` looks at every child each :data:`MONITOR_INTERVAL_S`. A child that
 exited is reported once with the last lines of its log, an instance leaves routing, and a
-restart is scheduled by :class:`~banaserve.cluster.restart_policy.RestartPolicy`
+restart is scheduled by :class:`~banaserve.config.restart_policy.RestartPolicy`
 (exponential backoff, a cap per minute). The new run logs to the same file; once it answers
 (``/health`` for an instance, its port for the store) an instance is back in routing.
 
@@ -29,8 +29,8 @@ from typing import Any
 from banaserve.cluster.leftovers import LeftoverLedger
 from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.processes import START_TIMEOUT_S, Child, ClusterProcesses
-from banaserve.cluster.restart_policy import RestartPolicy
 from banaserve.cluster.topology import InstanceSpec
+from banaserve.config.restart_policy import RestartPolicy
 from banaserve.utils.processes import tail
 
 logger = logging.getLogger("banaserve.cluster")

@@ -7,14 +7,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from banaserve.router.base import Role
-from banaserve.server.pipeline_options import (
+from banaserve.config.pipeline_options import (
     BOUNDARY_FLAG,
     BOUNDARY_PP_SIZE,
     MIN_BOUNDARY_FLAG,
-    THREADS_BIND_ENV,
     LayerSplit,
 )
+from banaserve.env import THREADS_BIND_ENV
+from banaserve.router.base import Role
 
 PREFILL, DECODE = Role.PREFILL, Role.DECODE
 #: The smallest boundary a split instance of the cluster may move to: its second stage holds

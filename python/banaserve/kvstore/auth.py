@@ -35,9 +35,6 @@ from banaserve.kvstore.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolErro
 
 logger = logging.getLogger("banaserve.kvstore.auth")
 
-#: Where the command line reads the tenant-token file's path from when ``--tenant-tokens`` is
-#: not given.
-TENANT_TOKENS_ENV = "BANASERVE_KV_STORE_TENANT_TOKENS"
 #: Domain separation of tenant keyspaces (part of every mapped key: changing it orphans pages).
 _TENANT_DOMAIN = b"banaserve-kv-tenant-v1"
 #: Tokens shorter than this are accepted with a warning: they can be guessed.

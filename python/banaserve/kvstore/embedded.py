@@ -7,7 +7,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from banaserve.kvstore import TOKEN_ENV
+from banaserve.env import TOKEN_ENV
 from banaserve.utils.processes import ManagedProcess, free_port
 
 START_TIMEOUT = 60.0

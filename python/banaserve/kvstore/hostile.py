@@ -25,8 +25,7 @@ from typing import Any
 import msgpack
 
 import banaserve
-from banaserve.kvstore import TOKEN_ENV
-from banaserve.kvstore.auth import TENANT_TOKENS_ENV
+from banaserve.env import SERVER_PATH_ENV, TENANT_TOKENS_ENV, TOKEN_ENV
 from banaserve.kvstore.framing import FrameDecoder
 from banaserve.kvstore.protocol import (
     HEADER,
@@ -46,9 +45,6 @@ START_TIMEOUT_S = 30.0
 #: The longest any pattern waits for the server to reach the state it waits for.
 PATTERN_TIMEOUT_S = 60.0
 PACKAGE_PARENT = Path(banaserve.__file__).resolve().parents[1]
-#: A directory to import the server processes' ``banaserve`` from instead of this one: runs the
-#: patterns against another version of the store (the code before a change, say).
-SERVER_PATH_ENV = "BANASERVE_PROBE_SERVER_PATH"
 
 
 class StoreProcess:

@@ -19,12 +19,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-#: The environment variable that makes a two-stage instance's boundary movable: the smallest
-#: boundary its second stage holds buffers for.
-MOVABLE_ENV = "BANASERVE_PP_MIN_BOUNDARY"
-#: The environment variable naming the instance's split folder (this record and the KV the
-#: stages share), which the launcher creates and removes.
-SPLIT_DIR_ENV = "BANASERVE_PP_SPLIT_DIR"
 #: Where the launcher puts split folders: memory, not disk (the KV of the shared layers).
 SPLIT_ROOT = Path("/dev/shm")
 

@@ -16,9 +16,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from banaserve.env import CACHE_ENV
 from banaserve.models.smollm2 import MODEL_NAME as SMOLLM2_NAME
 
-CACHE_ENV = "BANASERVE_CACHE_DIR"
 # Files whose presence marks a finished folder. Writers rename a finished temporary folder
 # into place, so a folder holding them is complete; checking files also rejects an empty
 # directory that a user created by hand.

@@ -11,9 +11,7 @@ import ctypes
 import functools
 import os
 
-#: ``BANASERVE_PLATFORM=cpu`` forces the CPU platform, ``cuda`` forces it off, ``auto`` (the
-#: default) decides from the driver.
-PLATFORM_ENV = "BANASERVE_PLATFORM"
+from banaserve.env import PLATFORM_ENV
 
 
 @functools.lru_cache(maxsize=1)

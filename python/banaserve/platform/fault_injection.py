@@ -17,7 +17,7 @@ import os
 import types
 from typing import Any
 
-CRASH_ON_TEXT_ENV = "BANASERVE_TEST_CRASH_ON_TEXT"
+from banaserve.env import CRASH_ON_TEXT_ENV
 
 
 def _patch_scheduler(module: types.ModuleType) -> None:

@@ -13,7 +13,7 @@ CPU platform (where CUDA is usable nothing here runs):
   SGLang module imports it by name, so replacing the module attribute reaches every caller.
 
 What else PP needs on the CPU is the launcher's (see
-:mod:`banaserve.server.pipeline_options`): ``SGLANG_CPU_OMP_THREADS_BIND`` with one entry per
+:mod:`banaserve.config.pipeline_options`): ``SGLANG_CPU_OMP_THREADS_BIND`` with one entry per
 rank, which SGLang's NUMA check demands as soon as there are more ranks than NUMA nodes.
 """
 

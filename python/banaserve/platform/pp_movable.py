@@ -1,7 +1,7 @@
 """A two-stage SGLang pipeline whose layer boundary ``k`` moves at run time.
 
 With ``--pp-size 2 --pp-layer-boundary K --pp-min-boundary KMIN`` the launcher exports
-:data:`~banaserve.migration.boundary_control.MOVABLE_ENV` (KMIN) and the instance's split
+:data:`~banaserve.env.MOVABLE_ENV` (KMIN) and the instance's split
 folder; then, in each stage process:
 
 - **Layers.** ``get_pp_indices`` gives stage 0 every layer, [0, L), and stage 1 the layers
@@ -28,7 +28,7 @@ folder; then, in each stage process:
   last step's output back, so stage 1 finished writing it.
 
 Applied by the import hook after the named SGLang modules execute; nothing changes in a
-process without :data:`~banaserve.migration.boundary_control.MOVABLE_ENV`.
+process without :data:`~banaserve.env.MOVABLE_ENV`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from banaserve.migration.boundary_control import MOVABLE_ENV, SPLIT_DIR_ENV, BoundaryControl
+from banaserve.env import MOVABLE_ENV, SPLIT_DIR_ENV
+from banaserve.migration.boundary_control import BoundaryControl
 
 logger = logging.getLogger("banaserve.platform")
 

@@ -11,7 +11,7 @@ torch computes with one thread per core.
 
 Pinning never widens what the process was given: the entry is intersected with the process's
 affinity (the cluster pins whole instances with ``taskset``). It happens only when the user
-or the launcher (:mod:`banaserve.server.pipeline_options`) set the variable explicitly; a
+or the launcher (:mod:`banaserve.config.pipeline_options`) set the variable explicitly; a
 server that did not name cores keeps SGLang's behaviour.
 """
 
@@ -68,7 +68,7 @@ def binding_where_sglang_does_not(
     def _init_cpu_threads_env(*args: Any, local_omp_cpuid: Any = None, **kwargs: Any) -> None:
         original(*args, local_omp_cpuid=local_omp_cpuid, **kwargs)
         # Imported here: this module loads in every Python process (the import hook).
-        from banaserve.server.pipeline_options import THREADS_BIND_ENV
+        from banaserve.env import THREADS_BIND_ENV
 
         sglang_binds = getattr(module, "_is_cpu_amx_available", False) or getattr(
             module, "_is_cpu_arm64", False

@@ -1,5 +1,5 @@
 """What the router needs to know about a request: :class:`RequestShape`, read from a body that
-the intake has already validated (:mod:`banaserve.server.request_validation`)."""
+the intake has already validated (:mod:`banaserve.api.request_validation`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from banaserve.server.request_validation import CHAT, COMPLETIONS, GENERATE, message_texts
+from banaserve.api.request_validation import CHAT, COMPLETIONS, GENERATE, message_texts
 
 #: Without a tokenizer: about four characters per token for English text.
 CHARS_PER_TOKEN = 4

@@ -1,1 +1,2 @@
-"""One SGLang server with BanaServe's platform and defaults (``banaserve.launch_server``)."""
+"""What one SGLang instance adds: its request guard and routes, the memory plan and KV pool
+sizing, and the embedded store it may start."""

@@ -18,14 +18,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from banaserve.config.pipeline_options import split_from_env
+from banaserve.env import MOVABLE_ENV, SPLIT_DIR_ENV
 from banaserve.migration.boundary_control import (
-    MOVABLE_ENV,
-    SPLIT_DIR_ENV,
     BoundaryControl,
     checked_boundary,
     remove_orphan_split_dirs,
 )
-from banaserve.server.pipeline_options import split_from_env
 
 ROUTE = "/pp_boundary"
 

@@ -5,7 +5,7 @@ behind the gateway's own checks):
 
 - a generation request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``) must be
   ``application/json`` (415 otherwise), within ``--max-request-bytes`` (413) and
-  ``--max-json-depth`` (400), and pass :func:`~banaserve.server.request_validation.
+  ``--max-json-depth`` (400), and pass :func:`~banaserve.api.request_validation.
   validate_generation` (400): an out-of-vocabulary token id would otherwise kill the
   scheduler, and with it the server;
 - SGLang ignores the ``model`` field of OpenAI requests, so a client with a typo in the model
@@ -21,7 +21,7 @@ import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
-from banaserve.server.request_limits import (
+from banaserve.api.request_limits import (
     ModelLimits,
     RequestLimits,
     RequestRejected,
@@ -29,7 +29,7 @@ from banaserve.server.request_limits import (
     check_content_type,
     parse_json_object,
 )
-from banaserve.server.request_validation import GENERATION_PATHS, validate_generation
+from banaserve.api.request_validation import GENERATION_PATHS, validate_generation
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -8,8 +8,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from banaserve.kvstore import TOKEN_ENV
-from banaserve.server.store_options import KvStoreOptions
+from banaserve.config.store_options import KvStoreOptions
+from banaserve.env import TOKEN_ENV
 from banaserve.utils.processes import ManagedProcess
 
 

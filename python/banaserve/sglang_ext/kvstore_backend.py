@@ -28,8 +28,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
+from banaserve.config.store_options import KvStoreOptions
 from banaserve.kvstore.keys import KvLayout
-from banaserve.server.store_options import KvStoreOptions
 from banaserve.sglang_ext import request_context
 from banaserve.sglang_ext.store_attachment import RankIdentity, StoreAttachment, open_client
 

@@ -9,7 +9,7 @@ Loaded by SGLang with::
         "linker_module_path": "banaserve.sglang_ext.kvstore_linker",
         "linker_extra_config": {"urls": [...], "replication": 1, "tenant": "", ...}}'
 
-(:func:`linker_args` builds them from :class:`banaserve.server.store_options.KvStoreOptions`,
+(:func:`linker_args` builds them from :class:`banaserve.config.store_options.KvStoreOptions`,
 whose ``from_extra`` reads them back). The token comes from ``BANASERVE_KV_STORE_TOKEN`` (or
 ``token`` in the extra config).
 
@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.hybrid_cache.linker_pool_assembler import _mha_device_
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
-from banaserve.server.store_options import KvStoreOptions
+from banaserve.config.store_options import KvStoreOptions
 from banaserve.sglang_ext.layer_store import DEFAULT_BUDGET_BYTES, LayerWiseStore
 from banaserve.sglang_ext.linker_kv import DeviceKv, device_kv_of, new_stats
 from banaserve.sglang_ext.linker_load import DEFAULT_DEPTH, BanaServeLayerCounter, LayerLoader

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from banaserve.kvstore import TOKEN_ENV
+from banaserve.env import TOKEN_ENV
 from banaserve.kvstore.keys import KvLayout, Namespace, namespaced_key
 from banaserve.sglang_ext import abort_release
 from banaserve.sglang_ext.store_metrics import StoreMetrics, store_metrics
 
 if TYPE_CHECKING:
+    from banaserve.config.store_options import KvStoreOptions
     from banaserve.kvstore.client import KvStoreClient
-    from banaserve.server.store_options import KvStoreOptions
 
 #: How long a claim on missing pages holds without their PUT, in both adapters: past it, an
 #: instance waiting for the pages computes them itself. Longer than a prefill takes here under

@@ -20,7 +20,7 @@ import textwrap
 import threading
 from typing import Any
 
-from banaserve.kvstore import TOKEN_ENV
+from banaserve.env import TENANT_TOKENS_ENV, TOKEN_ENV
 from banaserve.kvstore.admission import (
     DEFAULT_INFLIGHT_FRACTION,
     DEFAULT_MAX_CONNECTIONS,
@@ -28,7 +28,7 @@ from banaserve.kvstore.admission import (
     ConnectionGate,
     inflight_budget,
 )
-from banaserve.kvstore.auth import TENANT_TOKENS_ENV, load_tenant_tokens
+from banaserve.kvstore.auth import load_tenant_tokens
 from banaserve.kvstore.claims import CLAIM_BYTES, DEFAULT_MAX_CLAIMS
 from banaserve.kvstore.protocol import Limits
 from banaserve.kvstore.server.ops import ServerConfig

@@ -11,19 +11,19 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from banaserve.cluster.restart_policy import RestartPolicy
-from banaserve.migration import MIGRATION_MODES
-from banaserve.router.placement import HANDOFF_MIN_TOKENS, IN_PLACE_MAX_NEW_TOKENS
-from banaserve.router.policies import POLICY_NAMES
-from banaserve.router.spill import SPILL_PREFILL
-from banaserve.server.pipeline_options import add_pipeline_args
-from banaserve.server.request_limits import (
+from banaserve.api.request_limits import (
     DEFAULT_MAX_JSON_DEPTH,
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BYTES,
     RequestLimits,
 )
-from banaserve.server.store_options import KvStoreOptions
+from banaserve.config.pipeline_options import add_pipeline_args
+from banaserve.config.restart_policy import RestartPolicy
+from banaserve.config.store_options import KvStoreOptions
+from banaserve.migration import MIGRATION_MODES
+from banaserve.router.placement import HANDOFF_MIN_TOKENS, IN_PLACE_MAX_NEW_TOKENS
+from banaserve.router.policies import POLICY_NAMES
+from banaserve.router.spill import SPILL_PREFILL
 
 PROG = "python -m banaserve.launch_server"
 #: Every ``--kv-store*`` flag that takes a value (a test checks the parser has no other).

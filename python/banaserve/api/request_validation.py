@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from banaserve.server.request_limits import ModelLimits, RequestLimits, RequestRejected
+from banaserve.api.request_limits import ModelLimits, RequestLimits, RequestRejected
 
 GENERATE = "/generate"
 COMPLETIONS = "/v1/completions"

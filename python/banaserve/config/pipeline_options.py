@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from banaserve.env import LAYER_PARTITION_ENV, THREADS_BIND_ENV
+
 BOUNDARY_FLAG = "--pp-layer-boundary"
 MIN_BOUNDARY_FLAG = "--pp-min-boundary"
-LAYER_PARTITION_ENV = "SGLANG_PP_LAYER_PARTITION"
-THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 #: The pipeline depth a layer boundary splits into: two stages, [0, k) and [k, L).
 BOUNDARY_PP_SIZE = 2
 
@@ -132,7 +132,7 @@ def movable_env(split: LayerSplit | None, lowest: int | None, split_dir: Path) -
     """The variables that make ``split``'s boundary movable down to ``lowest`` (none when
     ``lowest`` is None), the stages sharing ``split_dir``. ValueError (one line) when
     ``lowest`` comes without a split or outside [1, k]."""
-    from banaserve.migration.boundary_control import MOVABLE_ENV, SPLIT_DIR_ENV
+    from banaserve.env import MOVABLE_ENV, SPLIT_DIR_ENV
 
     if lowest is None:
         return {}
