@@ -1,7 +1,7 @@
 """Probes of the KV store under hostile clients (issue 13, items 4 and 5).
 
 Starts a real store server (``python -m banaserve.kvstore.server --capacity-gb 0.25``, stopped
-by its PID) and runs each hostile pattern of :mod:`banaserve.kvstore.hostile` against it: the
+by its PID) and runs each hostile pattern of :mod:`store_hostile` against it: the
 unauthenticated flood, oversized PUT announcements, half-sent PUTs, the connection cap, then a
 store started without a token off loopback, where ucx:// and tcp:// listen, and per-tenant
 isolation. Each probe passes or fails with a one-line detail; memory probes report the server's
@@ -27,8 +27,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 
-from banaserve.kvstore import hostile  # noqa: E402
-from banaserve.kvstore import hostile_patterns as patterns  # noqa: E402
+import store_hostile as hostile  # noqa: E402
+import store_hostile_patterns as patterns  # noqa: E402
 from banaserve.kvstore.protocol import ErrorCode  # noqa: E402
 
 TOKEN = "store-probes-token-0123456789"

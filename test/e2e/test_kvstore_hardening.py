@@ -2,7 +2,7 @@
 allocated, and secure by default.
 
 The hostile patterns run against the real server (``python -m banaserve.kvstore.server
---capacity-gb 0.25``, a subprocess) through :mod:`banaserve.kvstore.hostile`, which waits on
+--capacity-gb 0.25``, a subprocess) through :mod:`store_hostile`, which waits on
 the server's replies and STATS counters, never on sleeps, and reads the server's peak memory
 from the kernel's high-water mark. The in-process parts are ``unit/test_kvstore_admission.py``.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from banaserve.kvstore import hostile
-from banaserve.kvstore import hostile_patterns as patterns
+import store_hostile as hostile
+import store_hostile_patterns as patterns
 from banaserve.kvstore.admission import (
     PRE_AUTH_CONTROL_BYTES,
 )

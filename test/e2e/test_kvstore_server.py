@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from banaserve.kvstore import hostile
+import store_hostile as hostile
 from banaserve.kvstore.client import (
     KvStoreAuthError,
     KvStoreClient,

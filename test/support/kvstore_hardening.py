@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from banaserve.kvstore import hostile
+import store_hostile as hostile
 
 TOKEN = "hardening-token-0123456789"
 MiB = 1 << 20

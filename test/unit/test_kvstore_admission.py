@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from banaserve.kvstore import hostile
+import store_hostile as hostile
 from banaserve.kvstore.admission import (
     ByteBudget,
     Ticket,

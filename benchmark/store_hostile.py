@@ -1,6 +1,6 @@
 """Tools for hostile clients against a real store server process: starting it, its memory and
 sockets as the kernel sees them, a STATS monitor, and raw non-blocking peers. The patterns
-built from them are :mod:`banaserve.kvstore.hostile_patterns`.
+built from them are :mod:`store_hostile_patterns`.
 
 The server's peak memory is the kernel's high-water mark (``VmHWM``), reset before a pattern
 (``/proc/PID/clear_refs``), so no peak between two samples is missed.

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from banaserve.kvstore.hostile import (
+from banaserve.kvstore.protocol import HEADER, Op
+from store_hostile import (
     PATTERN_TIMEOUT_S,
     Monitor,
     Peer,
@@ -28,7 +29,6 @@ from banaserve.kvstore.hostile import (
     reset_peak_rss,
     rss,
 )
-from banaserve.kvstore.protocol import HEADER, Op
 
 
 @dataclass
