@@ -17,9 +17,8 @@ does not make it faster. And no layer is lent to a core that prefills (more than
 ``max_lent_prefill`` prefill steps' worth, smoothed): the borrowed layers would time-share the
 core with the prompts there, and TTFT pays; a split whose lent cores hold more than
 ``release_prefill`` goes back to ``k = L`` without dwelling (the gap between the two is the
-hysteresis that keeps a prompt now and then from flapping the split). Measured in session 11
-(RESULTS.md): a controller that counted a decode instance's spilled prompts as decodes split
-it in the prefill-heavy phase, and TTFT p50 went from 12 s to 43 s.
+hysteresis that keeps a prompt now and then from flapping the split). Counting spilled
+prompts as decodes splits instances in prefill-heavy phases, which TTFT pays (RESULTS.md).
 
 A move copies bytes: moving ``k`` down sends layers [k', k)'s weights and their KV for every
 live token to the borrowed cores; moving it up sends the KV back (stage 0 keeps every layer's
@@ -85,13 +84,9 @@ class SplitInstance:
 class LayerControllerConfig:
     """The controller's knobs; every default is here."""
 
-    #: A split instance's work, while split, over its work whole, in core-seconds. Measured on
-    #: this machine's CPU (``benchmark/pp_cost_bench.py``, RESULTS.md session 12): a batch of
-    #: 6 decodes at k = L/2 over two cores steps 1.23x slower than plain on one core, so 2.46
-    #: (session 8's 1.35 came from single requests). SGLang's PP splits the batch into two
-    #: micro-batches, and a CPU forward of 3 costs nearly one of 6. At 2 or more a split can
-    #: never lower the peak, so on a CPU the controller lends nothing; re-measure on hardware
-    #: where PP pays.
+    #: A split instance's work, while split, over its work whole, in core-seconds: measured on
+    #: this machine's CPU by ``benchmark/pp_cost_bench.py`` (RESULTS.md). At 2 or more a split
+    #: never lowers the peak, so on a CPU the controller lends nothing; re-measure where PP pays.
     split_cost: float = 2.46
     #: At or below this peak utilisation no split starts, and a split whose instance would be
     #: at most this busy whole ends. One request's worth: a pipeline keeps both cores busy

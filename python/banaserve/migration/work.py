@@ -11,9 +11,7 @@ from banaserve.router.base import Role
 from banaserve.router.load import InstanceLoad
 
 #: Decoding requests one core serves at full speed. On a CPU core one: a decode step's time
-#: grows about in proportion to its batch there (SmolLM2-135M fp32 decodes one request at
-#: 0.09 s per token, a batch of 4 to 6 at 0.44 s: RESULTS.md, session 7). With 4, as first
-#: set, the role controller read a core holding every long request as half busy and moved late.
+#: grows about in proportion to its batch there (measured with SmolLM2-135M fp32, RESULTS.md).
 DECODE_FULL_REQS = 1.0
 #: Prefill steps one core computes at once (a CPU core is busy with one).
 PREFILL_FULL_REQS = 1.0
@@ -29,8 +27,7 @@ def work_of(
     steps (``prefill_unit_tokens`` each, at most its batch) and the rest of its batch as
     decodes. A decode instance holds prompts too: those that spilled there whole when the
     prefill instances were backed up (:mod:`banaserve.router.spill`); counted as decodes, they
-    made the layer controller lend a decode instance's layers to the core that was prefilling
-    (migration_bench, RESULTS.md session 11)."""
+    would lend a decode instance's layers to a core that is prefilling."""
     if load.role == Role.PREFILL:
         return {Role.PREFILL: float(load.batch_reqs), Role.DECODE: 0.0}
     prefill = min(load.batch_reqs, load.queued_prefill_tokens / prefill_unit_tokens)

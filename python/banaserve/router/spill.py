@@ -4,10 +4,9 @@ A handoff sends a prompt's prefill to a prefill instance so that long prefills n
 decode instance's batch. That pays while the prefill instances keep up. When they do not (a
 run of long prompts with short outputs: a prefill-heavy phase), every new prompt queues behind
 theirs while a decode instance's core sits idle, and the cluster prefills on a fraction of its
-cores: on 1P+1D, one of two (migration_bench, RESULTS.md session 9: TTFT p50 35 s against 7 s
-for two plain SGLang instances on the same cores). Then the prompt *spills*: it runs whole, as
-a direct request, where the router's usual direct pick puts it (the fewest requests on the
-instance's cores):
+cores: on 1P+1D, one of two (migration_bench in RESULTS.md). Then the prompt *spills*: it runs
+whole, as a direct request, where the router's usual direct pick puts it (the fewest requests
+on the instance's cores):
 
 - a request that generates at most ``in_place_max_new_tokens`` tokens spills whenever the
   prefill instance it would be handed to is already prefilling: its decode is too short to
