@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from banaserve.kvstore.client import KvStoreClient
 from banaserve.utils.processes import ManagedProcess
 from support.kvstore_claims import Background, wait_until
 from support.kvstore_shards import TOKEN as SHARD_TOKEN
-from support.kvstore_shards import start_shard
+from support.kvstore_shards import running_shard, shard_stats
 from support.servers import STATE_TIMEOUT, Server, start_server
 
 # -- end to end --------------------------------------------------------------------------------
@@ -42,16 +41,7 @@ def prompt(seed: int) -> str:
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One store shard process; yields its URL."""
-    process, url = start_shard(tmp_path_factory.mktemp("abort-release-shard"), "shard")
-    try:
-        yield url
-    finally:
-        process.stop()
-
-
-def shard_stats(url: str) -> dict:
-    with KvStoreClient(url, token=SHARD_TOKEN) as client:
-        return client.stats()[url]["server"]
+    yield from running_shard(tmp_path_factory.mktemp("abort-release-shard"))
 
 
 @pytest.fixture(scope="module")

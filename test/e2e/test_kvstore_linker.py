@@ -21,6 +21,7 @@ from support.kvstore_shards import (
     TOKEN,
     generate,
     long_prompt,
+    running_shard,
     start_instances,
     start_shard,
     wait_for_pages,
@@ -106,11 +107,7 @@ def test_prefix_from_a_is_loaded_layer_wise_on_b(pair: Pair, server: Server) -> 
 
 @pytest.fixture(scope="module")
 def store_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    shard, url = start_shard(tmp_path_factory.mktemp("linker-shard"), "shard")
-    try:
-        yield url
-    finally:
-        shard.stop()
+    yield from running_shard(tmp_path_factory.mktemp("linker-shard"))
 
 
 def bare_linker(client, layers: int, depth: int, rows: int = 64, page: int = 4,  # noqa: ANN001, ANN201

@@ -6,7 +6,9 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -25,6 +27,21 @@ def start_shard(logs: Path, name: str) -> tuple[ManagedProcess, str]:
     process = ManagedProcess(name, argv, logs / f"{name}.log")
     process.wait_tcp_open("127.0.0.1", port, 60)
     return process, f"tcp://127.0.0.1:{port}"
+
+
+def running_shard(logs: Path, name: str = "shard") -> Iterator[str]:
+    """One shard process for a fixture to ``yield from``: yields its URL, stops it after."""
+    process, url = start_shard(logs, name)
+    try:
+        yield url
+    finally:
+        process.stop()
+
+
+def shard_stats(url: str) -> dict[str, Any]:
+    """The shard's server counters (claims, waits, pages, ...)."""
+    with KvStoreClient(url, token=TOKEN) as client:
+        return client.stats()[url]["server"]
 
 
 def start_instances(model: Path, urls: list[str], logs: Path, *mode_args: str) -> list[Server]:
