@@ -20,6 +20,7 @@ from pathlib import Path
 from banaserve.api.request_limits import RequestLimits
 from banaserve.config.cli import (
     ClusterOptions,
+    EngineFlags,
     LaunchConfig,
     build_parser,
     cpu_dtype,
@@ -135,8 +136,9 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
     except ValueError as exc:
         parser.error(str(exc))
     return LaunchConfig(
-        sglang_argv, [served_name, model_path], notes, kv_store, cluster, request_limits, env
-    )
+        sglang_argv, [served_name, model_path], notes, kv_store, cluster, request_limits, env,
+        list(argv), EngineFlags.from_namespace(args),
+    )  # fmt: skip
 
 
 def pipeline_plan(
@@ -202,18 +204,16 @@ def add_request_guard(served_names: list[str], limits: RequestLimits) -> None:
     app.add_middleware(RequestGuard, served_names=served_names, limits=limits)
 
 
-def run_cluster_or_exit(argv: list[str], plan: LaunchConfig) -> None:
+def run_cluster_or_exit(plan: LaunchConfig) -> None:
     from banaserve.cluster.run import run_cluster
     from banaserve.server.memory_plan import MemoryPlanError
     from banaserve.utils.processes import ChildFailed
 
-    assert plan.cluster is not None  # plan.kv_store is None with --kv-store none
     logging.getLogger("banaserve.cluster").handlers = logger.handlers
     logging.getLogger("banaserve.cluster").setLevel(logging.INFO)
     logging.getLogger("banaserve.cluster").propagate = False
-    args = build_parser().parse_args(argv)
     try:
-        run_cluster(argv, args, plan.cluster, plan.kv_store, plan.served_names[1])
+        run_cluster(plan)
     except (ChildFailed, MemoryPlanError, ValueError) as exc:
         logger.error("the cluster failed to start: %s", exc)
         sys.exit(1)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     for note in plan.notes:
         logger.info(note)
     if plan.cluster is not None:
-        run_cluster_or_exit(argv, plan)
+        run_cluster_or_exit(plan)
         return
     # Before SGLang starts: its scheduler processes inherit the environment.
     os.environ.update(plan.env)

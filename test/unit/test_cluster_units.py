@@ -416,7 +416,7 @@ def test_a_cluster_without_a_store_plans_no_store(
     alone = plan_launch(instance)  # what each instance makes of it: no store flags at all
     assert alone.cluster is None and alone.kv_store is None
     assert not any("hicache" in a or "linker" in a for a in alone.sglang_argv)
-    memory = memory_plan(build_parser().parse_args(argv), plan.kv_store, str(tiny_model), 3)
+    memory = memory_plan(plan.flags, plan.kv_store, str(tiny_model), 3)
     assert memory is not None and memory.store_bytes == 0 and memory.host_pool_bytes == 0
     # One instance: --kv-store none is no --kv-store.
     single = ["--model-path", str(tiny_model), "--max-total-tokens", "4096"]

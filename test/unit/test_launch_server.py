@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from banaserve.config.cli import CPU_DEFAULT_DTYPE, build_parser
+from banaserve.config.cli import CPU_DEFAULT_DTYPE
 from banaserve.launch_server import plan_launch
 from banaserve.server import kv_pool_sizing
 from banaserve.server.memory_plan import weights_bytes
@@ -78,7 +78,7 @@ def test_float32_by_default_on_the_cpu(
     instance = run.instance_launch_argv(cluster, plan.kv_store, ["shm://h:1"], str(model), 2, 0.5)
     argv = plan_launch(instance).sglang_argv
     assert flag(argv, "--dtype") == "float32"
-    memory = run.memory_plan(build_parser().parse_args(cluster), plan.kv_store, str(model), 2)
+    memory = run.memory_plan(plan.flags, plan.kv_store, str(model), 2)
     assert memory is not None
     assert memory.kv_pool_bytes == int(flag(argv, "--max-total-tokens")) * per_token
     assert memory.weights_bytes == weights_bytes(model, "float32") == 2 * weights_bytes(model)

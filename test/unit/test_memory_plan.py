@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from banaserve.cluster.run import memory_plan
-from banaserve.config.cli import build_parser
 from banaserve.launch_server import plan_launch
 from banaserve.server import kv_pool_sizing
 from banaserve.server.memory_plan import (
@@ -71,12 +70,11 @@ def test_cluster_plan_from_flags(tiny_model: Path, monkeypatch: pytest.MonkeyPat
     plan = plan_launch(argv)
     assert plan.kv_store is not None and plan.kv_store.embedded  # a cluster's own store
     assert plan.kv_store.capacity_gb == 1.5
-    args = build_parser().parse_args(argv)
-    memory = memory_plan(args, plan.kv_store, str(tiny_model), 3)
+    memory = memory_plan(plan.flags, plan.kv_store, str(tiny_model), 3)
     assert memory is not None
     per_token = kv_pool_sizing.kv_bytes_per_token(tiny_model)
     assert (memory.instances, memory.kv_pool_bytes) == (3, 4096 * per_token)
     assert memory.host_pool_bytes == int(1.5 * 4096 * per_token)
     assert memory.store_bytes == int(1.5 * GIB)
-    args = build_parser().parse_args([*argv, "--no-cpu-defaults"])
-    assert memory_plan(args, plan.kv_store, str(tiny_model), 3) is None
+    no_defaults = plan_launch([*argv, "--no-cpu-defaults"]).flags
+    assert memory_plan(no_defaults, plan.kv_store, str(tiny_model), 3) is None

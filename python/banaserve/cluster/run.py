@@ -12,7 +12,6 @@ serving meanwhile.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -48,6 +47,8 @@ from banaserve.config.cli import (
     CLUSTER_VALUE_FLAGS,
     KV_STORE_VALUE_FLAGS,
     ClusterOptions,
+    EngineFlags,
+    LaunchConfig,
     cpu_dtype,
     drop_flags,
 )
@@ -84,7 +85,7 @@ def instance_launch_argv(
 
 
 def memory_plan(
-    args: argparse.Namespace, store: KvStoreOptions | None, model_path: str, instances: int
+    args: EngineFlags, store: KvStoreOptions | None, model_path: str, instances: int
 ) -> MemoryPlan | None:
     """The cluster's host-memory plan on the CPU engine; None where pools are device memory,
     the model is not a local folder, or the user turned BanaServe's CPU defaults off. Sized
@@ -113,18 +114,19 @@ def memory_plan(
     )  # fmt: skip
 
 
-def run_cluster(
-    argv: list[str], args: argparse.Namespace, options: ClusterOptions,
-    store: KvStoreOptions | None, model_path: str,
-) -> None:  # fmt: skip
-    """Run the cluster until Ctrl-C/SIGTERM (``store`` None: with no KV store at all); raise
-    ChildFailed when start-up fails, and before starting anything MemoryPlanError when the
-    plan does not fit in host memory and ValueError when the layout cannot be made (no core
-    to lend a decode instance's layers to)."""
+def run_cluster(plan: LaunchConfig) -> None:
+    """Run the cluster ``plan`` describes until Ctrl-C/SIGTERM (its ``kv_store`` None: with no
+    KV store at all); raise ChildFailed when start-up fails, and before starting anything
+    MemoryPlanError when the plan does not fit in host memory and ValueError when the layout
+    cannot be made (no core to lend a decode instance's layers to)."""
     from banaserve.env import TOKEN_ENV
     from banaserve.server.store_start import start_store
 
     exit_on_sigterm()  # so a SIGTERM during start-up still stops what was started
+    options, store, argv, args = plan.cluster, plan.kv_store, plan.argv, plan.flags
+    model_path = plan.served_names[1]
+    if options is None:
+        raise ValueError("not a cluster: no --num-prefill/--num-decode")
     count = options.num_prefill + options.num_decode
     memory = memory_plan(args, store, model_path, count)
     if memory is not None:

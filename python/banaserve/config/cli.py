@@ -9,7 +9,7 @@ the SGLang flags with BanaServe's defaults filled in.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from banaserve.api.request_limits import (
     DEFAULT_MAX_JSON_DEPTH,
@@ -50,10 +50,33 @@ CLUSTER_SWITCHES = ("--cpu-affinity", "--migration-predictive")
 
 
 @dataclass(frozen=True)
+class EngineFlags:
+    """The flags, SGLang's and BanaServe's, that the launcher and the cluster read once argv is
+    parsed, as plain values (argv is parsed once, in ``plan_launch``; no Namespace leaves it)."""
+
+    model_path: str | None = None
+    pp_size: int = 1
+    pp_layer_boundary: int | None = None
+    dtype: str = "auto"
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    max_total_tokens: int | None = None
+    kv_pool_memory_fraction: float = 0.0
+    no_cpu_defaults: bool = False
+    host: str | None = None
+    port: int | None = None
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> EngineFlags:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """What the launcher decided: the argv handed to SGLang and BanaServe's own options.
     ``env``: variables a single server exports before SGLang starts (a cluster's instances
-    each decide their own, from their own cores)."""
+    each decide their own, from their own cores). ``argv`` is the user's, which a cluster
+    rewrites for each instance; ``flags`` what was parsed from it."""
 
     sglang_argv: list[str]
     served_names: list[str]
@@ -62,6 +85,8 @@ class LaunchConfig:
     cluster: ClusterOptions | None = None
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     env: dict[str, str] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)
+    flags: EngineFlags = field(default_factory=EngineFlags)
 
 
 @dataclass(frozen=True)
