@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from banaserve.cluster.migration_loop import RoleMigration
+from banaserve.cluster.role_loop import RoleMigration
 from banaserve.migration.role_controller import RoleController, RoleControllerConfig
 from banaserve.router import Board, Placer, RequestShape, Role, Router, make_policy
 from banaserve.router.load import InstanceLoad

@@ -29,9 +29,9 @@ from banaserve.cluster.intake import Intake, load_tokenizer, model_vocab_size
 from banaserve.cluster.layer_loop import LayerLending, LayerMigration
 from banaserve.cluster.leftovers import LeftoverLedger, clean_up
 from banaserve.cluster.load_board import LoadBoard, poll_forever
-from banaserve.cluster.migration_loop import RoleMigration
 from banaserve.cluster.processes import Child, ClusterProcesses, default_log_dir
 from banaserve.cluster.reaper import Reaper
+from banaserve.cluster.role_loop import RoleMigration
 from banaserve.cluster.supervisor import Supervisor
 from banaserve.cluster.topology import (
     DECODE,

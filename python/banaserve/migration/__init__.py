@@ -4,7 +4,7 @@ load turns.
 ``--migration role`` (:mod:`banaserve.migration.role_controller`): whole instances change role.
 Roles are routing labels, so a move costs no bytes; the controller is pure code over the
 router's load records with an injected clock, run by the gateway
-(:mod:`banaserve.cluster.migration_loop`). ``--migration layer``: each decode instance runs as
+(:mod:`banaserve.cluster.role_loop`). ``--migration layer``: each decode instance runs as
 two pipeline stages, its later layers on a prefill instance's core
 (:func:`banaserve.cluster.topology.lend_decode_layers`), and the boundary moves at run time,
 weights and KV of the layers between (:mod:`banaserve.platform.pp_movable`, applied by
