@@ -125,7 +125,7 @@ def run_cluster(plan: LaunchConfig) -> None:
     exit_on_sigterm()  # so a SIGTERM during start-up still stops what was started
     options, store, argv, args = plan.cluster, plan.kv_store, plan.argv, plan.flags
     model_path = plan.served_names[1]
-    if options is None:
+    if options is None or args is None:
         raise ValueError("not a cluster: no --num-prefill/--num-decode")
     count = options.num_prefill + options.num_decode
     memory = memory_plan(args, store, model_path, count)

@@ -54,17 +54,17 @@ class EngineFlags:
     """The flags, SGLang's and BanaServe's, that the launcher and the cluster read once argv is
     parsed, as plain values (argv is parsed once, in ``plan_launch``; no Namespace leaves it)."""
 
-    model_path: str | None = None
-    pp_size: int = 1
-    pp_layer_boundary: int | None = None
-    dtype: str = "auto"
-    hicache_ratio: float = 2.0
-    hicache_size: float = 0.0
-    max_total_tokens: int | None = None
-    kv_pool_memory_fraction: float = 0.0
-    no_cpu_defaults: bool = False
-    host: str | None = None
-    port: int | None = None
+    model_path: str | None
+    pp_size: int
+    pp_layer_boundary: int | None
+    dtype: str
+    hicache_ratio: float
+    hicache_size: float
+    max_total_tokens: int | None
+    kv_pool_memory_fraction: float
+    no_cpu_defaults: bool
+    host: str | None
+    port: int | None
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EngineFlags:
@@ -86,7 +86,7 @@ class LaunchConfig:
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     env: dict[str, str] = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)
-    flags: EngineFlags = field(default_factory=EngineFlags)
+    flags: EngineFlags | None = None
 
 
 @dataclass(frozen=True)
