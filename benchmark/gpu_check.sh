@@ -2,7 +2,7 @@
 # One prepared call for a lent GPU machine (torch, nvcc, cmake, pybind11, scikit-build-core
 # there; no sglang, no network): build the CUDA variant, check the kernels and the layer
 # pipeline against the CPU reference on random inputs, and time them; profile Llama-shaped
-# layers for the simulator's device model. Fits in 6 minutes.
+# layers for the simulator's device model. Fits in 8 minutes.
 # Usage there: bash benchmark/gpu_check.sh   (writes a copy of its output to $OUT if set)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +34,9 @@ timeout 90 $PY benchmark/attention_gpu_check.py || status=1
 
 echo "== split decode attention: flash partials merged by log-sum-exp against the whole"
 timeout 60 $PY benchmark/attention_split_gpu_check.py || status=1
+
+echo "== attention offload to the host: one round trip per layer, host attention against the GPU's"
+timeout 200 $PY benchmark/offload_roundtrip_gpu_check.py || status=1
 
 echo "== layer pipeline on CUDA streams"
 timeout 60 $PY benchmark/pipeline_gpu_check.py || status=1
