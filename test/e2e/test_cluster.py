@@ -326,8 +326,9 @@ def test_a_killed_decode_instance_leaves_routing(cluster: Cluster, server: Serve
     assert cluster.state()["gateway"]["retries"] == retries_before + 2
     # The cluster keeps serving, with the same greedy output.
     assert generate(cluster.url, prompt)["output_ids"] == expected
-    # The crash is reported, with the instance's last log lines (the monitor looks every second).
-    deadline = time.monotonic() + 15
+    # The crash is reported, with the instance's last log lines (the monitor looks every second;
+    # 60 s only bounds a broken run).
+    deadline = time.monotonic() + 60
 
     def crash_reported() -> bool:
         lines = tail(cluster.process.log_path, 200).splitlines()

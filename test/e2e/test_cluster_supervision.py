@@ -46,7 +46,7 @@ def deaths(cluster: Cluster) -> dict[str, int]:
 
 
 def wait_death_seen(cluster: Cluster, name: str, deaths_before: int) -> None:
-    deadline = time.monotonic() + 15  # the supervisor looks every second
+    deadline = time.monotonic() + 60  # it looks every second; only a broken run waits long
     while cluster.state()["supervisor"][name]["deaths"] == deaths_before:
         assert time.monotonic() < deadline, cluster.state()["supervisor"]
         time.sleep(0.2)
@@ -114,9 +114,9 @@ def test_a_killed_launcher_leaves_nothing_behind(cluster: Cluster) -> None:
     children = launcher.children(recursive=True)
     assert len(children) >= 3
     cluster.process.process.send_signal(signal.SIGKILL)
-    _, alive = psutil.wait_procs(children, timeout=10)
+    _, alive = psutil.wait_procs(children, timeout=60)
     assert not alive, [c.cmdline() for c in alive]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while any(Path(p).exists() for p in shm):
         assert time.monotonic() < deadline, [p for p in shm if Path(p).exists()]
         time.sleep(0.2)

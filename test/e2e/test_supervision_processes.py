@@ -38,7 +38,7 @@ def test_children_die_when_their_parent_is_killed(tmp_path: Path) -> None:
     os.kill(child, 0)  # running
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # the kernel ends it at once; only a broken run waits
     while session_members([child]):
         assert time.monotonic() < deadline, "the child outlived its killed parent"
         time.sleep(0.05)
