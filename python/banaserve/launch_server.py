@@ -25,7 +25,7 @@ from banaserve.config.cli import (
     build_parser,
     cpu_dtype,
     request_limits_from_args,
-    split_banaserve_args,
+    sglang_flags_of,
 )
 from banaserve.config.pipeline_options import (
     check_boundary_flags,
@@ -56,18 +56,18 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
     """Validate ``argv`` and decide the SGLang argv; may convert the default model (slow)."""
     parser = build_parser()
     args = parser.parse_args(argv)  # exits with usage text on a bad flag
-    ours, sglang_argv = split_banaserve_args(argv)
     notes: list[str] = []
     try:
-        cluster = ClusterOptions.from_args(ours)
-        if cluster is not None and ours.kv_store is None:
-            ours.kv_store = KV_STORE_EMBEDDED  # its own store, unless told --kv-store none
-        kv_store = KvStoreOptions.from_args(ours)
-        request_limits = request_limits_from_args(ours)
+        sglang_argv = sglang_flags_of(argv, parser)
+        cluster = ClusterOptions.from_args(args)
+        if cluster is not None and args.kv_store is None:
+            args.kv_store = KV_STORE_EMBEDDED  # its own store, unless told --kv-store none
+        kv_store = KvStoreOptions.from_args(args)
+        request_limits = request_limits_from_args(args)
         # --migration layer makes the decode instances two-stage itself (lending_split below).
         lends_layers = cluster is not None and cluster.migration == "layer"
         if not lends_layers:
-            check_boundary_flags(ours.pp_layer_boundary, args.pp_size)  # before any conversion
+            check_boundary_flags(args.pp_layer_boundary, args.pp_size)  # before any conversion
     except ValueError as exc:
         parser.error(str(exc))
     if kv_store is not None:
@@ -94,7 +94,7 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
     if not args.enable_metrics:
         sglang_argv.append("--enable-metrics")
 
-    if cpu_platform_wanted() and not ours.no_cpu_defaults:
+    if cpu_platform_wanted() and not args.no_cpu_defaults:
         if args.device is None:
             sglang_argv += ["--device", "cpu"]
         if not args.sleep_on_idle:
@@ -111,7 +111,7 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             uses_hicache = kv_store is not None and kv_store.mode == "hicache"
             ratio = host_pool_ratio(uses_hicache, args.hicache_ratio, args.hicache_size)
             size = size_kv_pool(
-                Path(model_path), ours.kv_pool_memory_fraction, dtype, host_ratio=ratio
+                Path(model_path), args.kv_pool_memory_fraction, dtype, host_ratio=ratio
             )
             sglang_argv += ["--max-total-tokens", str(size.tokens)]
             notes.append(
@@ -121,7 +121,7 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
         notes.append("no NVIDIA driver: SGLang CPU engine")
     try:
         if lends_layers:
-            split = lending_split(ours.pp_layer_boundary, args.pp_size, Path(model_path))
+            split = lending_split(args.pp_layer_boundary, args.pp_size, Path(model_path))
             lent = (
                 f"layers [{split.boundary}, {split.num_layers})"
                 if split.boundary < split.num_layers
@@ -130,28 +130,32 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             notes.append(f"decode instances start lending {lent}")
             env = {}
         else:
-            env = pipeline_plan(
-                args, ours.pp_layer_boundary, Path(model_path), notes, serves=cluster is None
-            )
+            env = pipeline_plan(args, Path(model_path), notes, serves=cluster is None)
     except ValueError as exc:
         parser.error(str(exc))
     return LaunchConfig(
-        sglang_argv, [served_name, model_path], notes, kv_store, cluster, request_limits, env,
-        list(argv), EngineFlags.from_namespace(args),
-    )  # fmt: skip
+        sglang_argv=sglang_argv,
+        served_names=[served_name, model_path],
+        notes=notes,
+        kv_store=kv_store,
+        cluster=cluster,
+        request_limits=request_limits,
+        env=env,
+        argv=list(argv),
+        flags=EngineFlags.from_namespace(args),
+    )
 
 
 def pipeline_plan(
-    args: argparse.Namespace, boundary: int | None, model_path: Path, notes: list[str],
-    *, serves: bool,
-) -> dict[str, str]:  # fmt: skip
+    args: argparse.Namespace, model_path: Path, notes: list[str], *, serves: bool
+) -> dict[str, str]:
     """The environment SGLang's pipeline stages need (see
     :mod:`banaserve.config.pipeline_options`), for this process's cores; ValueError when
     ``--pp-layer-boundary`` does not fit ``--pp-size`` or the model. ``serves``: this process
     runs the server; a cluster's launcher only checks, since each instance's own launcher
     decides its environment, from the cores it is pinned to."""
     split = layer_split(
-        boundary, args.pp_size, model_path, movable=args.pp_min_boundary is not None
+        args.pp_layer_boundary, args.pp_size, model_path, movable=args.pp_min_boundary is not None
     )
     if not serves:
         return {}

@@ -129,3 +129,38 @@ def test_kv_store_flags(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, mode:
         config_flag = "--unified-cache-external-linker-config"
     config = store_args[store_args.index(config_flag) + 1]
     assert "tcp://127.0.0.1:7001" in config and '"replication": 2' in config
+
+
+def test_sglang_gets_argv_less_every_banaserve_flag(tiny_model: Path) -> None:
+    """argv is parsed once: SGLang's share is argv less BanaServe's flags (read off the
+    parser), values and switches alike, SGLang's flags kept in order."""
+    from banaserve.config.cli import banaserve_flags
+
+    ours = ["--num-prefill", "1", "--num-decode=1", "--cpu-affinity", "--kv-store", "none",
+            "--kv-store-tenant", "t", "--max-request-n", "4", "--migration-predictive",
+            "--migration", "layer"]  # fmt: skip
+    sglang = ["--model-path", str(tiny_model), "--port", "1234", "--dtype", "float32"]
+    plan = plan_launch([*ours[:6], *sglang[:4], *ours[6:], *sglang[4:]])
+    assert plan.sglang_argv[:6] == sglang
+    values, switches = banaserve_flags()
+    assert not any(a.split("=", 1)[0] in values + switches for a in plan.sglang_argv)
+    assert plan.cluster is not None and plan.cluster.cpu_affinity
+    assert (plan.cluster.num_prefill, plan.cluster.num_decode) == (1, 1)
+    assert plan.request_limits.max_n == 4 and plan.kv_store is None
+
+
+def test_an_abbreviated_banaserve_flag_is_refused(tiny_model: Path, capsys) -> None:  # noqa: ANN001
+    # argparse takes "--num-pre" for --num-prefill; SGLang's own parser would not.
+    with pytest.raises(SystemExit) as exited:
+        plan_launch(["--model-path", str(tiny_model), "--num-pre", "1"])
+    assert exited.value.code == 2
+    assert "give BanaServe's flags in full (--num-prefill)" in capsys.readouterr().err
+
+
+def test_the_cluster_flags_are_the_cluster_groups() -> None:
+    from banaserve.config.cli import CLUSTER_GROUP, banaserve_flags
+
+    values, switches = banaserve_flags(CLUSTER_GROUP)
+    assert {"--num-prefill", "--num-decode", "--router-policy", "--migration"} <= set(values)
+    assert {"--cpu-affinity", "--migration-predictive"} <= set(switches)
+    assert "--kv-store" not in values and "--kv-pool-memory-fraction" not in values

@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from banaserve.cluster.layer_layout import LayerLayout
 from banaserve.cluster.processes import instance_argv, instance_env
 from banaserve.cluster.topology import (
     DECODE,
     PREFILL,
     InstanceSpec,
-    layer_layout,
     lend_decode_layers,
     plan_cores,
     plan_instances,
-    record_fallback,
 )
 from banaserve.config.pipeline_options import LayerSplit, lending_split
 from banaserve.env import THREADS_BIND_ENV
@@ -47,10 +46,10 @@ def test_the_decode_instance_lends_its_later_layers_to_the_prefill_core_of_its_o
     assert argv[:3] == ["taskset", "-c", "0,1"] and argv[-6:] == list(PP_FLAGS)
     env = instance_env(decode_0, {"PATH": "/bin"})
     assert env[THREADS_BIND_ENV] == "0|1" and env["PATH"] == "/bin"
-    layout = layer_layout(specs, SPLIT)
-    assert layout["stage_cores"] == {"decode-0": [[0], [1]]}
-    assert (layout["mode"], layout["boundary"], layout["num_layers"]) == ("layer", 15, 30)
-    assert layout["boundaries"] == {"decode-0": 15}
+    layout = LayerLayout.of(specs, SPLIT)
+    assert layout.stage_cores == {"decode-0": [[0], [1]]}
+    assert (layout.to_json()["mode"], layout.boundary, layout.num_layers) == ("layer", 15, 30)
+    assert layout.boundaries == layout.start == {"decode-0": 15}
     # Restarted, it runs whole on its own core.
     assert decode_0.unsplit == pinned(2, 1)[2] and decode_0.unsplit.unsplit is None
 
@@ -152,8 +151,8 @@ def test_an_instance_that_died_comes_back_whole_on_its_own_cores(
     after = {c.url: c.core_peer_reqs for c in board.candidates(PREFILL)}
     assert before == {prefill_0.url: 2, prefill_1.url: 2}
     assert after == {prefill_0.url: 2, prefill_1.url: 0}
-    layout = layer_layout(specs, SPLIT)
-    record_fallback(layout, child.spec, at=12.0)
-    assert layout["boundaries"] == {"decode-0": 30}
-    assert layout["stage_cores"] == {"decode-0": [[0]]}
-    assert layout["history"][-1]["from"] == 15 and layout["history"][-1]["to"] == 30
+    layout = LayerLayout.of(specs, SPLIT)
+    layout.record_fallback(child.spec, at=12.0)
+    assert layout.boundaries == {"decode-0": 30} and not layout.is_split("decode-0")
+    assert layout.stage_cores == {"decode-0": [[0]]}
+    assert layout.history[-1]["from"] == 15 and layout.history[-1]["to"] == 30

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from banaserve.cluster.layer_layout import LayerLayout
 from banaserve.cluster.layer_loop import LayerMigration, split_instances
 from banaserve.cluster.load_board import LoadBoard
-from banaserve.cluster.topology import layer_layout, lend_decode_layers, plan_instances
+from banaserve.cluster.topology import lend_decode_layers, plan_instances
 from banaserve.config.pipeline_options import LayerSplit
 from banaserve.migration.layer_controller import LayerController, LayerControllerConfig
 from banaserve.router.load import InstanceLoad
@@ -68,7 +69,7 @@ async def cluster(tmp_path: Path, **config: Any) -> AsyncIterator[Running]:
     ports = [free_port() for _ in range(3)]
     specs = lend_decode_layers(plan_instances(2, 1, ports, [(0,), (1,), (0,)]), SPLIT)
     board = LoadBoard(specs)
-    layout = layer_layout(specs, SPLIT)
+    layout = LayerLayout.of(specs, SPLIT)
     migration = LayerMigration.for_cluster(board, specs, SPLIT, layout, tmp_path, "float32")
     if config:
         migration.controller = LayerController(
@@ -134,7 +135,7 @@ def test_a_bad_admin_call_changes_nothing(
         async with cluster(tmp_path) as (url, migration, instance):
             got, text = await post(f"{url}/migration", body)
             assert got == status and message in json.loads(text)["message"], text
-            assert instance.posts == [] and migration.layout["moves"] == 0
+            assert instance.posts == [] and migration.layout.moves == 0
             assert migration.controller.boundary == {migration.board.specs[2].url: 15}
 
     asyncio.run(scenario())
@@ -155,9 +156,9 @@ def test_a_controller_step_moves_the_instance(tmp_path: Path) -> None:
             moves = await migration.tick()
             assert [(m.to_boundary, m.reason) for m in moves] == [(30, "lent cores prefill")]
             assert instance.posts == [moves[0].to_boundary]
-            assert migration.layout["boundaries"] == {"decode-0": 15}  # read before the move
+            assert migration.layout.boundaries == {"decode-0": 15}  # read before the move
             await migration.refresh()
-            assert migration.layout["boundaries"] == {"decode-0": moves[0].to_boundary}
+            assert migration.layout.boundaries == {"decode-0": moves[0].to_boundary}
             migration.enabled = False
             assert await migration.tick() == []
 

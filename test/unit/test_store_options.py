@@ -48,3 +48,15 @@ def test_extra_config_values_are_converted_to_the_fields_types() -> None:
     options = KvStoreOptions.from_extra({"urls": URLS, "replication": "2", "coalesce_wait_s": 1})
     assert options.replication == 2 and options.coalesce_wait_s == 1.0
     assert isinstance(options.coalesce_wait_s, float)
+
+
+def test_the_linkers_tuning_values_travel_as_extra_config_and_have_no_flag() -> None:
+    from banaserve.config.cli import build_parser
+    from banaserve.sglang_ext.kvstore_linker import linker_args
+
+    tuned = dataclasses.replace(OPTIONS, lookup_wait_s=0.25, load_depth=2, layer_store_bytes=0)
+    extra = extra_of(linker_args(tuned, URLS), "--unified-cache-external-linker-config")
+    arrived = KvStoreOptions.from_extra(extra["linker_extra_config"])
+    assert (arrived.lookup_wait_s, arrived.load_depth, arrived.layer_store_bytes) == (0.25, 2, 0)
+    flags = {o for action in build_parser()._actions for o in action.option_strings}
+    assert not {"--kv-store-lookup-wait-s", "--kv-store-load-depth"} & flags

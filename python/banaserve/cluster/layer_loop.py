@@ -28,8 +28,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from banaserve.cluster.migration_loop import HISTORY, TICK_S, MigrationRefused, admin_call
-from banaserve.cluster.topology import MIN_BOUNDARY, InstanceSpec, record_fallback
+from banaserve.cluster.layer_layout import LayerLayout
+from banaserve.cluster.migration_loop import TICK_S, MigrationRefused, admin_call
+from banaserve.cluster.topology import MIN_BOUNDARY, InstanceSpec
 from banaserve.config.pipeline_options import LayerSplit
 from banaserve.migration.arrival_trend import ArrivalTrend
 from banaserve.migration.boundary_control import checked_boundary
@@ -55,7 +56,7 @@ class LayerLending:
     the instances run (which sizes a layer's weights)."""
 
     split: LayerSplit
-    layout: dict[str, Any]
+    layout: LayerLayout
     dtype: str
 
 
@@ -78,13 +79,13 @@ def split_instances(specs: list[InstanceSpec], split: LayerSplit, weight_bytes: 
 class LayerMigration:
     """The controller's loop and the admin API of one cluster's split instances.
 
-    Owns the controller, the layout (:func:`banaserve.cluster.topology.layer_layout`, which
-    ``state`` reports) and the history; the board is the gateway's. Confined to the
+    Owns the controller and the layout (:class:`banaserve.cluster.layer_layout.LayerLayout`,
+    which ``state`` reports); the board is the gateway's. Confined to the
     gateway's event loop: nothing is locked; a tick waits for the instances' answers
     (at most :data:`INSTANCE_TIMEOUT_S` each).
     """
 
-    def __init__(self, board: Board, controller: LayerController, layout: dict[str, Any],
+    def __init__(self, board: Board, controller: LayerController, layout: LayerLayout,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.board = board
         self.controller = controller
@@ -92,7 +93,6 @@ class LayerMigration:
         self.clock = clock
         self.enabled = True
         self.trend = ArrivalTrend()  # read only in the controller's predictive mode
-        self.start = dict(layout["boundaries"])  # name -> the boundary it started at
         self._by_name = {spec.name: spec for spec in board.specs}
         self._session: aiohttp.ClientSession | None = None
         for split in controller.splits:
@@ -100,7 +100,7 @@ class LayerMigration:
 
     @classmethod
     def for_cluster(
-        cls, board: Board, specs: list[InstanceSpec], split: LayerSplit, layout: dict[str, Any],
+        cls, board: Board, specs: list[InstanceSpec], split: LayerSplit, layout: LayerLayout,
         model_path: Path, dtype: str, predictive: bool = False,
     ) -> LayerMigration:  # fmt: skip
         splits = split_instances(specs, split, layer_weight_bytes(model_path, dtype))
@@ -150,13 +150,11 @@ class LayerMigration:
     async def refresh(self) -> None:
         """Each split instance's boundary as it reports it (``applied``: where its last
         micro-batch ran)."""
-        for name in list(self.layout["boundaries"]):
-            if name not in self.start:
-                continue  # restarted whole: no boundary to read
+        for name in list(self.layout.start):
             url = self._by_name[name].url
             state = await self._call("GET", url)
-            if state is not None:
-                self.layout["boundaries"][name] = state["applied"]
+            if state is not None and self.layout.is_split(name):
+                self.layout.boundaries[name] = state["applied"]
                 self._computes_at(url, state["applied"])
 
     def move(self, name: str, boundary: object) -> LayerMove:
@@ -166,10 +164,10 @@ class LayerMigration:
             raise MigrationRefused(
                 f"no instance named {name!r}; instances: {sorted(self._by_name)}"
             )
-        if name not in self.start:
+        if not self.layout.is_split(name):
             raise MigrationRefused(f"{name} does not run as two stages (any more)", status=409)
         try:
-            boundary = checked_boundary(boundary, MIN_BOUNDARY, self.layout["num_layers"])
+            boundary = checked_boundary(boundary, MIN_BOUNDARY, self.layout.num_layers)
         except ValueError as exc:
             raise MigrationRefused(str(exc)) from None
         split = self.controller.split_of(spec.url)
@@ -188,7 +186,7 @@ class LayerMigration:
 
     async def reset(self) -> None:
         """Every split instance back at its start boundary; the controller starts afresh."""
-        for name, boundary in self.start.items():
+        for name, boundary in self.layout.start.items():
             url = self._by_name[name].url
             if self.controller.boundary.get(url) != boundary:
                 await self._call("POST", url, boundary)
@@ -200,8 +198,7 @@ class LayerMigration:
     def record_fallback(self, whole: InstanceSpec, at: float) -> None:
         """``whole`` restarted as one stage on its own cores (a stage died): the boundary is
         L for good and the controller no longer moves it."""
-        record_fallback(self.layout, whole, at)
-        self.start.pop(whole.name, None)
+        self.layout.record_fallback(whole, at)
         if self.controller.split_of(whole.url) is not None:
             self.controller.retire(whole.url)
 
@@ -217,11 +214,7 @@ class LayerMigration:
         """Ask the instance for ``move``'s boundary; True when it took it."""
         if await self._call("POST", move.url, move.to_boundary) is None:
             return False
-        history = self.layout["history"]
-        history.append({"instance": self.name_of(move.url), **move.to_json()})
-        del history[:-HISTORY]
-        self.layout["moves"] += 1
-        self.layout["bytes_moved"] += move.bytes_moved
+        self.layout.record_move(self.name_of(move.url), move.to_json(), move.bytes_moved)
         logger.info(
             "layer migration: %s boundary %d -> %d (%s; peak utilisation %.2f -> %.2f)",
             self.name_of(move.url), move.from_boundary, move.to_boundary, move.reason,
@@ -252,7 +245,7 @@ class LayerMigration:
     def state(self) -> dict[str, Any]:
         utilisation = self.controller.utilisation(self.controller.boundary)
         return {
-            **self.layout,
+            **self.layout.to_json(),
             "controller": "on" if self.enabled else "off",
             "predictive": self.controller.config.predictive,
             "utilisation": {str(core): round(u, 3) for core, u in utilisation.items()},

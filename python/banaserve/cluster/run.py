@@ -26,6 +26,7 @@ from aiohttp import web
 from banaserve.api.request_limits import ModelLimits
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.intake import Intake, load_tokenizer, model_vocab_size
+from banaserve.cluster.layer_layout import LayerLayout
 from banaserve.cluster.layer_loop import LayerLending, LayerMigration
 from banaserve.cluster.leftovers import LeftoverLedger, clean_up
 from banaserve.cluster.load_board import LoadBoard, poll_forever
@@ -37,18 +38,17 @@ from banaserve.cluster.topology import (
     DECODE,
     PREFILL,
     InstanceSpec,
-    layer_layout,
     lend_decode_layers,
     plan_cores,
     plan_instances,
 )
 from banaserve.config.cli import (
-    CLUSTER_SWITCHES,
-    CLUSTER_VALUE_FLAGS,
+    CLUSTER_GROUP,
     KV_STORE_VALUE_FLAGS,
     ClusterOptions,
     EngineFlags,
     LaunchConfig,
+    banaserve_flags,
     cpu_dtype,
     drop_flags,
 )
@@ -73,8 +73,9 @@ def instance_launch_argv(
 ) -> list[str]:  # fmt: skip
     """The user's argv for one instance: without cluster, gateway and store flags, attached to
     the cluster's store (none with ``store`` None), with a share of the KV pool memory."""
+    cluster_values, cluster_switches = banaserve_flags(CLUSTER_GROUP)
     out = drop_flags(
-        argv, CLUSTER_VALUE_FLAGS + INSTANCE_VALUE_FLAGS + GATEWAY_VALUE_FLAGS, CLUSTER_SWITCHES
+        argv, cluster_values + INSTANCE_VALUE_FLAGS + GATEWAY_VALUE_FLAGS, cluster_switches
     )
     if not any(a.split("=", 1)[0] == "--model-path" for a in out):
         out += ["--model-path", model_path]
@@ -142,7 +143,7 @@ def run_cluster(plan: LaunchConfig) -> None:
     if options.migration == "layer":
         split = lending_split(args.pp_layer_boundary, args.pp_size, Path(model_path))
         specs = lend_decode_layers(specs, split)
-        lending = LayerLending(split, layer_layout(specs, split), cpu_dtype(args.dtype))
+        lending = LayerLending(split, LayerLayout.of(specs, split), cpu_dtype(args.dtype))
     log_dir = Path(options.log_dir) if options.log_dir else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     logger.info("cluster logs in %s", log_dir)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 from banaserve.config.pipeline_options import (
     BOUNDARY_FLAG,
@@ -115,34 +114,3 @@ def lend_decode_layers(specs: list[InstanceSpec], split: LayerSplit) -> list[Ins
             env=spec.env + ((THREADS_BIND_ENV, bind),), unsplit=spec,
         ))  # fmt: skip
     return out
-
-
-def layer_layout(specs: list[InstanceSpec], split: LayerSplit) -> dict[str, Any]:
-    """``--migration layer``'s state for ``/migration`` and ``/cluster``: the boundary it
-    started with (``boundary``) and where each two-stage instance's is now (``boundaries``),
-    and the cores of its stages (:class:`banaserve.cluster.layer_loop.LayerMigration` keeps
-    it up to date)."""
-    stages = {}
-    for spec in specs:
-        bind = dict(spec.env).get(THREADS_BIND_ENV)
-        if spec.role == DECODE and bind is not None:
-            stages[spec.name] = [[int(c) for c in part.split(",")] for part in bind.split("|")]
-    return {
-        "mode": "layer", "controller": "on", "boundary": split.boundary,
-        "num_layers": split.num_layers, "stage_cores": stages,
-        "boundaries": {spec.name: split.boundary for spec in specs if spec.unsplit},
-        "moves": 0, "bytes_moved": 0, "utilisation": {}, "history": [],
-    }  # fmt: skip
-
-
-def record_fallback(layout: dict[str, Any], whole: InstanceSpec, at: float) -> None:
-    """``whole`` (an instance's ``unsplit`` spec) now runs as one stage on its own cores:
-    its boundary in ``layout`` (from :func:`layer_layout`) is L, and the history says why."""
-    layers = layout["num_layers"]
-    before = layout["boundaries"].get(whole.name, layers)
-    layout["boundaries"][whole.name] = layers
-    layout["stage_cores"][whole.name] = [list(whole.cores)] if whole.cores else []
-    layout["history"].append({
-        "instance": whole.name, "from": before, "to": layers, "at": round(at, 3),
-        "bytes_moved": 0, "reason": "the instance died: restarted as one stage",
-    })  # fmt: skip

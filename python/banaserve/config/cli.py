@@ -1,9 +1,11 @@
 """Command line of ``banaserve.launch_server``: SGLang's server flags plus BanaServe's.
 
-Parsing happens twice on purpose: once here, against SGLang's parser extended with
-BanaServe's flags, so that a typo fails at once with usage text (before a model conversion
-that can take a minute); then SGLang's own ``prepare_server_args`` builds ``ServerArgs`` from
-the SGLang flags with BanaServe's defaults filled in.
+argv is parsed once, against SGLang's parser extended with BanaServe's flags, so that a typo
+fails at once with usage text (before a model conversion that can take a minute); the SGLang
+flags are then argv less BanaServe's (:func:`sglang_flags_of`), from which SGLang's own
+``prepare_server_args`` builds ``ServerArgs`` with BanaServe's defaults filled in. The flags
+a cluster strips from its instances' argv are read off the parser's groups, never listed by
+hand.
 """
 
 from __future__ import annotations
@@ -34,19 +36,9 @@ KV_STORE_VALUE_FLAGS = KvStoreOptions.value_flags()
 CPU_DEFAULT_DTYPE = "float32"
 #: The ``--router-policy`` choices.
 ROUTER_POLICIES = POLICY_NAMES
-#: BanaServe flags that take a value / take none; used to rewrite an argv for instances.
-CLUSTER_VALUE_FLAGS = (
-    "--num-prefill",
-    "--num-decode",
-    "--router-policy",
-    "--handoff-min-tokens",
-    "--in-place-max-new-tokens",
-    "--cluster-log-dir",
-    "--max-restarts-per-minute",
-    "--migration",
-    "--spill-prefill",
-)
-CLUSTER_SWITCHES = ("--cpu-affinity", "--migration-predictive")
+#: The argparse group titles of BanaServe's flags (the cluster group's flags never reach an
+#: instance).
+CLUSTER_GROUP = "BanaServe cluster"
 
 
 @dataclass(frozen=True)
@@ -91,7 +83,8 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """``--num-prefill/--num-decode`` and friends: run a disaggregated cluster."""
+    """``--num-prefill/--num-decode`` and friends: run a disaggregated cluster. Every value
+    comes from the parsed flags (their defaults are the parser's)."""
 
     num_prefill: int
     num_decode: int
@@ -100,11 +93,11 @@ class ClusterOptions:
     handoff_min_tokens: int
     log_dir: str | None
     in_place_max_new_tokens: int
-    request_limits: RequestLimits = field(default_factory=RequestLimits)
-    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
-    migration: str = "off"
-    spill_prefill: bool = SPILL_PREFILL
-    migration_predictive: bool = False
+    request_limits: RequestLimits
+    restart_policy: RestartPolicy
+    migration: str
+    spill_prefill: bool
+    migration_predictive: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
@@ -125,12 +118,19 @@ class ClusterOptions:
             raise ValueError("--migration-predictive steers the layer controller: it needs "
                              f"--migration layer (got --migration {args.migration})")  # fmt: skip
         return cls(
-            prefill, decode, args.router_policy, args.cpu_affinity,
-            args.handoff_min_tokens, args.cluster_log_dir, args.in_place_max_new_tokens,
-            request_limits_from_args(args),
-            RestartPolicy(max_per_minute=args.max_restarts_per_minute), args.migration,
-            args.spill_prefill == "on", args.migration_predictive,
-        )  # fmt: skip
+            num_prefill=prefill,
+            num_decode=decode,
+            router_policy=args.router_policy,
+            cpu_affinity=args.cpu_affinity,
+            handoff_min_tokens=args.handoff_min_tokens,
+            log_dir=args.cluster_log_dir,
+            in_place_max_new_tokens=args.in_place_max_new_tokens,
+            request_limits=request_limits_from_args(args),
+            restart_policy=RestartPolicy(max_per_minute=args.max_restarts_per_minute),
+            migration=args.migration,
+            spill_prefill=args.spill_prefill == "on",
+            migration_predictive=args.migration_predictive,
+        )
 
 
 def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
@@ -190,7 +190,7 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
     add_pipeline_args(parser.add_argument_group("BanaServe pipeline parallelism"))
     store = parser.add_argument_group("BanaServe KV store")
     KvStoreOptions.add_args(store)
-    cluster = parser.add_argument_group("BanaServe cluster")
+    cluster = parser.add_argument_group(CLUSTER_GROUP)
     cluster.add_argument(
         "--num-prefill",
         type=int,
@@ -294,11 +294,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def split_banaserve_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Separate BanaServe's flags (returned parsed) from SGLang's (returned as argv)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+def banaserve_flags(group: str | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """BanaServe's own flags, all or those of the argparse group titled ``group``: those that
+    take a value, and the switches."""
+    parser = argparse.ArgumentParser(add_help=False)
     add_banaserve_args(parser)
-    return parser.parse_known_args(argv)
+    values: list[str] = []
+    switches: list[str] = []
+    for grouped in parser._action_groups:
+        if group is not None and grouped.title != group:
+            continue
+        for action in grouped._group_actions:
+            (switches if action.nargs == 0 else values).extend(action.option_strings)
+    return tuple(values), tuple(switches)
+
+
+def sglang_flags_of(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv``, which ``parser`` (:func:`build_parser`) accepted, without BanaServe's flags:
+    what SGLang's own parser is given. ValueError for an abbreviated BanaServe flag, which
+    would reach SGLang as if it were one of its own."""
+    values, switches = banaserve_flags()
+    known = parser._option_string_actions
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and name not in known:
+            near = [f for f in values + switches if f.startswith(name)]
+            if near:
+                raise ValueError(f"{name}: give BanaServe's flags in full ({', '.join(near)})")
+    return drop_flags(argv, values, switches)
 
 
 def drop_flags(

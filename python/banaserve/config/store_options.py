@@ -25,6 +25,17 @@ KV_STORE_MODES = ("hicache", "linker")
 KV_STORE_EMBEDDED = "embedded"
 KV_STORE_NONE = "none"
 KV_STORE_FLAG = "--kv-store"
+#: How long the linker's ``lookup`` waits for pages another instance is computing or storing.
+#: It runs on the scheduler thread, so the bound is short: long enough for a prefill instance's
+#: offload to land before the decode instance it handed off to looks the pages up
+#: (milliseconds here).
+DEFAULT_LOOKUP_WAIT_S = 1.0
+#: The linker's host staging slots per load batch: its reader runs at most this many layers
+#: ahead of the copies to the device.
+DEFAULT_LOAD_DEPTH = 3
+#: Host memory the linker's captures of freshly computed layers may hold per instance; a larger
+#: forward is not captured (0 turns capturing off).
+DEFAULT_LAYER_STORE_BYTES = 256 << 20
 
 
 def _option(default: Any, help: str, *, to_instance: bool, to_extra: bool,
@@ -33,6 +44,11 @@ def _option(default: Any, help: str, *, to_instance: bool, to_extra: bool,
     instances' command lines; ``to_extra``: it reaches SGLang's adapters."""
     meta = {"help": help, "to_instance": to_instance, "to_extra": to_extra, "choices": choices}
     return field(default=default, metadata=meta)
+
+
+def _tuning(default: Any) -> Any:
+    """A field with no flag that reaches SGLang's adapters (a test or a config sets it)."""
+    return field(default=default, metadata={"to_instance": False, "to_extra": True})
 
 
 def _parse_as(f: dataclasses.Field) -> type | None:
@@ -84,6 +100,9 @@ class KvStoreOptions:
         f"(default: {DEFAULT_COALESCE_WAIT_S:g}; 0 turns coalescing off).",
         to_instance=True, to_extra=True,
     )  # fmt: skip
+    lookup_wait_s: float = _tuning(DEFAULT_LOOKUP_WAIT_S)
+    load_depth: int = _tuning(DEFAULT_LOAD_DEPTH)
+    layer_store_bytes: int = _tuning(DEFAULT_LAYER_STORE_BYTES)
 
     @staticmethod
     def flag(name: str) -> str:
@@ -92,6 +111,11 @@ class KvStoreOptions:
     @classmethod
     def flagged_fields(cls) -> list[dataclasses.Field]:
         return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+    @classmethod
+    def extra_fields(cls) -> list[dataclasses.Field]:
+        """The fields that reach SGLang's adapters (:meth:`to_extra`)."""
+        return [f for f in dataclasses.fields(cls) if f.metadata.get("to_extra")]
 
     @classmethod
     def add_args(cls, group: argparse._ArgumentGroup) -> None:
@@ -158,9 +182,8 @@ class KvStoreOptions:
         """What SGLang's adapters need of these options, as JSON-able extra config, with the
         store at ``urls``; :meth:`from_extra` reads it back."""
         extra: dict[str, Any] = {"urls": list(urls)}
-        for f in self.flagged_fields():
-            if f.metadata["to_extra"]:
-                extra[f.name] = getattr(self, f.name)
+        for f in self.extra_fields():
+            extra[f.name] = getattr(self, f.name)
         return extra
 
     @classmethod
@@ -169,8 +192,8 @@ class KvStoreOptions:
         ``token`` there is honoured, though :meth:`to_extra` never writes one."""
         values = {
             f.name: (_parse_as(f) or str)(extra[f.name])
-            for f in cls.flagged_fields()
-            if f.metadata["to_extra"] and f.name in extra
+            for f in cls.extra_fields()
+            if f.name in extra
         }
         urls = [str(u) for u in extra.get("urls") or []]
         return cls(urls, token=extra.get("token"), **values)

@@ -48,21 +48,20 @@ from sglang.srt.mem_cache.hybrid_cache.linker_pool_assembler import _mha_device_
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
-from banaserve.config.store_options import KvStoreOptions
-from banaserve.sglang_ext.layer_store import DEFAULT_BUDGET_BYTES, LayerWiseStore
+from banaserve.config.store_options import (
+    DEFAULT_LOAD_DEPTH,
+    DEFAULT_LOOKUP_WAIT_S,
+    KvStoreOptions,
+)
+from banaserve.sglang_ext.layer_store import LayerWiseStore
 from banaserve.sglang_ext.linker_kv import DeviceKv, device_kv_of, new_stats
-from banaserve.sglang_ext.linker_load import DEFAULT_DEPTH, BanaServeLayerCounter, LayerLoader
+from banaserve.sglang_ext.linker_load import BanaServeLayerCounter, LayerLoader
 from banaserve.sglang_ext.linker_offload import Offloader
 from banaserve.sglang_ext.store_attachment import RankIdentity, StoreAttachment, open_client
 
 __all__ = ["BanaServeLayerCounter", "BanaServeLinker", "linker_args"]
 
 logger = logging.getLogger(__name__)
-
-#: How long ``lookup`` waits for pages another instance is computing or storing. It runs on the
-#: scheduler thread, so the bound is short: long enough for a prefill instance's offload to
-#: land before the decode instance it handed off to looks the pages up (milliseconds here).
-DEFAULT_LOOKUP_WAIT_S = 1.0
 
 
 def linker_args(options: KvStoreOptions, urls: Sequence[str]) -> list[str]:
@@ -109,7 +108,7 @@ class BanaServeLinker(UnifiedCacheLinker):
         extra_config: dict[str, Any] | None = None,
         forward_stream: Any = None,
     ) -> None:
-        extra = dict(extra_config or {})
+        options = KvStoreOptions.from_extra(dict(extra_config or {}))
         page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         if set(components) - {ComponentType.FULL} or not hasattr(kvcache, "k_buffer"):
@@ -137,7 +136,7 @@ class BanaServeLinker(UnifiedCacheLinker):
             row_bytes=kv.row_bytes,
             device=kv.pipeline_device,
             stream=kv.compute_stream,
-            budget_bytes=int(extra.get("layer_store_bytes", DEFAULT_BUDGET_BYTES)),
+            budget_bytes=options.layer_store_bytes,
             start_layer=int(getattr(kvcache, "start_layer", 0) or 0),
         )
         layer_store.attach(kvcache)
@@ -154,7 +153,6 @@ class BanaServeLinker(UnifiedCacheLinker):
         )
         pp_rank = int(getattr(params, "pp_rank", 0) or 0)
         pp_size = int(getattr(params, "pp_size", 1) or 1)
-        options = KvStoreOptions.from_extra(extra)
         rank = RankIdentity(model_name, (tp_rank, tp_size), (pp_rank, pp_size), options.tenant)
         store = StoreAttachment(
             open_client(options, "BanaServeLinker (linker_extra_config)"),
@@ -168,8 +166,8 @@ class BanaServeLinker(UnifiedCacheLinker):
             kv,
             store,
             layer_store=layer_store,
-            depth=int(extra.get("depth", DEFAULT_DEPTH)),
-            lookup_wait_s=float(extra.get("lookup_wait_s", DEFAULT_LOOKUP_WAIT_S)),
+            depth=options.load_depth,
+            lookup_wait_s=options.lookup_wait_s,
             name=f"tp{tp_rank}",
         )
         logger.info(
@@ -191,7 +189,7 @@ class BanaServeLinker(UnifiedCacheLinker):
         store: StoreAttachment,
         *,
         layer_store: LayerWiseStore,
-        depth: int = DEFAULT_DEPTH,
+        depth: int = DEFAULT_LOAD_DEPTH,
         lookup_wait_s: float = DEFAULT_LOOKUP_WAIT_S,
         name: str = "tp0",
     ) -> BanaServeLinker:

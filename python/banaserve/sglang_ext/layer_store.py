@@ -33,12 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from banaserve.config.store_options import DEFAULT_LAYER_STORE_BYTES
 from banaserve.pipeline.layer_pipeline import COMPUTE, STORE, LayerPipeline
 
 logger = logging.getLogger(__name__)
 
-#: Host memory the captures of one instance may hold; a larger forward is not captured.
-DEFAULT_BUDGET_BYTES = 256 << 20
 #: Captures kept for offloads still to come (the newest ones).
 MAX_CAPTURES = 8
 #: The first captures are logged at INFO (tests read them), later ones at DEBUG.
@@ -114,7 +113,7 @@ class LayerWiseStore:
         row_bytes: int,
         device: str,
         stream: int | None = None,
-        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        budget_bytes: int = DEFAULT_LAYER_STORE_BYTES,
         start_layer: int = 0,
     ) -> None:
         self.k_buffers, self.v_buffers = list(k_buffers), list(v_buffers)

@@ -26,9 +26,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("banaserve.sglang_ext.kvstore_linker")
 
-#: Host staging slots per batch: the reader runs at most this many layers ahead of the copies.
-DEFAULT_DEPTH = 3
-
 
 class _LoadBatch:
     """One started batch: its pipeline, staging slots, reader thread and progress."""
