@@ -87,7 +87,7 @@ FULL_SYSTEMS = (
     "banaserve", "banaserve_role",
 )  # fmt: skip
 QUICK_SYSTEMS = ("coloc_2_round_robin", "stock_cache_aware", "banaserve")
-QUICK_WORKLOADS = ("hotspot", "hotspot_long", "cache_pressure", "uniform")
+QUICK_WORKLOADS = ("hotspot", "hotspot_long", "cache_pressure", "uniform", "chat", "decode_heavy")
 ABLATION_WORKLOADS = ("hotspot", "cache_pressure")
 WARM_UP_PROMPT = "Warm-up {i}: the weather in a town that no measured prompt mentions is"
 #: About 12 tokens a line: a long warm-up prompt is over BanaServe's handoff threshold twice.
@@ -124,7 +124,7 @@ def bench_argv(workload: Workload, url: str, model: str, result_file: Path) -> l
         driver = [script, "--on-s", str(on), "--off-s", str(off)]
     rate = ["--request-rate", str(workload.request_rate)] if workload.request_rate else []
     return [
-        sys.executable, *driver, "--backend", "sglang", "--base-url", url, "--model", model,
+        sys.executable, *driver, "--backend", workload.backend, "--base-url", url, "--model", model,
         "--tokenizer", model, "--num-prompts", str(workload.num_prompts),
         "--max-concurrency", str(workload.max_concurrency), "--seed", str(workload.seed),
         "--output-file", str(result_file), "--output-details", "--disable-tqdm",

@@ -96,6 +96,10 @@ def known_systems() -> dict[str, SystemSpec]:
         # instances included (decided per request at route time, not by a controller).
         SystemSpec("banaserve_any_instance", "banaserve", ours=True,
                    extra=("--in-place-max-new-tokens", str(ANY_LENGTH))),
+        # Roles as walls: every long request decodes on a decode instance, however idle the
+        # prefill instances' cores (the default before issue 30's spare-prefill routing).
+        SystemSpec("banaserve_walls", "banaserve", ours=True,
+                   extra=("--serve-on-spare-prefill", "off")),
         # Ablations: one mechanism off each.
         SystemSpec("banaserve_no_store", "banaserve", extra=("--kv-store", "none"), ours=True),
         SystemSpec("banaserve_pure_pd", "banaserve", ours=True,

@@ -7,6 +7,10 @@ each system gets the same prompts in the same order.
   reused later in shuffled order;
 - ``uniform``: ``random-ids``, nothing shared;
 - each also as ``…_long``: 128 output tokens instead of 4, where decoding dominates;
+- ``chat``: multi-turn conversations over the chat API (``--gsp-num-turns``, backend
+  ``sglang-oai-chat``): each turn's prompt is the whole conversation so far, so a turn finds
+  the previous one cached only where its generated tokens were kept;
+- ``decode_heavy``: nothing shared, 48 to 256 output tokens each, many at once;
 - ``bursty``: zipf's prompts arriving at ``BURST_RATE`` req/s in on/off bursts
   (``bench_bursts.py``: the installed bench_serving has no burstiness flag);
 - ``sweep_<rate>``: zipf's prompts at each of ``SWEEP_RATES`` (Poisson arrivals), for
@@ -20,6 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SHORT_OUT, LONG_OUT = 4, 128
+#: ``chat``: turns per conversation and output tokens per turn (issue 30's multi-turn load).
+CHAT_TURNS, CHAT_OUT = 4, 24
+#: ``decode_heavy``: output tokens drawn from [DECODE_HEAVY_MIN, DECODE_HEAVY_OUT].
+DECODE_HEAVY_MIN, DECODE_HEAVY_OUT = 48, 256
 ZIPF_GROUPS, ZIPF_ALPHA = 8, 1.1
 BURST_RATE, BURST_ON_S, BURST_OFF_S = 4.0, 6.0, 12.0
 #: Offered rates in req/s, from below to above the 2-core saturation point (rate-bound, not
@@ -40,6 +48,9 @@ class Workload:
     request_rate: float | None = None
     #: (on, off) seconds of a burst schedule at ``request_rate``.
     bursts: tuple[float, float] | None = None
+    #: ``bench_serving``'s backend: ``sglang`` (``/generate``), or ``sglang-oai-chat`` for
+    #: multi-turn conversations, which only its chat backends replay.
+    backend: str = "sglang"
 
 
 def shared_prefix_args(
@@ -54,9 +65,17 @@ def shared_prefix_args(
     return args
 
 
-def uniform_args(prompt_len: int, out: int) -> tuple[str, ...]:
+def chat_args(groups: int, per_group: int, prefix_len: int) -> tuple[str, ...]:
+    """``groups`` system prompts, ``per_group`` conversations each of ``CHAT_TURNS`` turns."""
+    return (*shared_prefix_args(groups, per_group, prefix_len, CHAT_OUT),
+            "--gsp-num-turns", str(CHAT_TURNS))  # fmt: skip
+
+
+def uniform_args(prompt_len: int, out: int, range_ratio: float = 1.0) -> tuple[str, ...]:
+    """``random-ids``: lengths drawn from [``range_ratio`` x, x] (1.0: exactly x)."""
     return ("--dataset-name", "random-ids", "--random-input-len", str(prompt_len),
-            "--random-output-len", str(out), "--random-range-ratio", "1.0")  # fmt: skip
+            "--random-output-len", str(out),
+            "--random-range-ratio", f"{range_ratio:g}")  # fmt: skip
 
 
 def scaled(n: int, scale: float, multiple: int = 1) -> int:
@@ -75,6 +94,7 @@ def workloads(quick: bool, scale: float = 1.0) -> list[Workload]:
     pressure = max(2 * pressure_groups, scaled(96, scale, pressure_groups))
     zipf, zipf_long = scaled(96, scale, ZIPF_GROUPS), scaled(48, scale, ZIPF_GROUPS)
     uniform, uniform_long = scaled(48, scale), scaled(32, scale)
+    chats, decode_heavy = scaled(36, scale, ZIPF_GROUPS // 2), scaled(48, scale)
     # Two bursts at least, whatever the scale.
     bursty = max(scaled(96, scale, ZIPF_GROUPS), 2 * round(BURST_RATE * BURST_ON_S))
 
@@ -103,6 +123,21 @@ def workloads(quick: bool, scale: float = 1.0) -> list[Workload]:
         ),  # fmt: skip
         Workload("uniform", uniform_args(prefix, SHORT_OUT), uniform, conc(16), seed=3),
         Workload("uniform_long", uniform_args(prefix, LONG_OUT), uniform_long, conc(16), seed=13),
+        Workload(
+            "chat",
+            chat_args(ZIPF_GROUPS // 2, chats // (ZIPF_GROUPS // 2), prefix),
+            chats,
+            conc(12),
+            seed=15,
+            backend="sglang-oai-chat",
+        ),  # fmt: skip
+        Workload(
+            "decode_heavy",
+            uniform_args(prefix // 2, DECODE_HEAVY_OUT, DECODE_HEAVY_MIN / DECODE_HEAVY_OUT),
+            decode_heavy,
+            conc(32),
+            seed=16,
+        ),  # fmt: skip
         Workload(
             "bursty",
             gsp(ZIPF_GROUPS, bursty, SHORT_OUT, True),

@@ -41,7 +41,10 @@ from support.servers import TEST_KV_TOKENS, Server
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(tiny_model, tmp_path_factory.mktemp("cluster")) as running:
+    # Roles as walls: the kill test needs every long request decoding on decode-0 (the default,
+    # long requests on spare prefill cores too, is test_cluster_linker's).
+    logs = tmp_path_factory.mktemp("cluster")
+    with running_cluster(tiny_model, logs, "--serve-on-spare-prefill", "off") as running:
         yield running
 
 

@@ -164,3 +164,17 @@ def test_the_cluster_flags_are_the_cluster_groups() -> None:
     assert {"--num-prefill", "--num-decode", "--router-policy", "--migration"} <= set(values)
     assert {"--cpu-affinity", "--migration-predictive"} <= set(switches)
     assert "--kv-store" not in values and "--kv-pool-memory-fraction" not in values
+
+
+@pytest.mark.parametrize(
+    ("flags", "spare"),
+    [((), True), (("--serve-on-spare-prefill", "off"), False), (("--migration", "role"), True),
+     (("--migration", "layer"), False)],
+)  # fmt: skip
+def test_long_requests_use_spare_prefill_cores_unless_layers_are_lent(
+    tiny_model: Path, flags: tuple[str, ...], spare: bool
+) -> None:
+    # Under --migration layer the layer controller lends the prefill cores to decode work.
+    argv = ["--model-path", str(tiny_model), "--num-prefill", "2", "--num-decode", "1", *flags]
+    cluster = plan_launch(argv).cluster
+    assert cluster is not None and cluster.serve_on_spare_prefill is spare

@@ -135,8 +135,11 @@ def test_requests_that_may_run_anywhere_go_to_the_least_busy_core() -> None:
     # Now both cores hold one request: the tie goes by free KV, then url (decode-0 first).
     second = router.pick(Role.DECODE, shape("b"), any_role=True, prefill_tokens=0)
     assert second.url == "http://d0"
-    # A request that must decode on a decode instance still goes to decode-0.
-    assert router.pick(Role.DECODE, shape("c"), prefill_tokens=0).url == "http://d0"
+    # A long request goes to the less busy core too, prefill-1's, since no prompt waits there
+    # (router/spare_prefill.py); with roles as walls it stays on decode-0.
+    assert router.pick(Role.DECODE, shape("c"), prefill_tokens=0).url == "http://p1"
+    router.serve_on_spare_prefill = False
+    assert router.pick(Role.DECODE, shape("d"), prefill_tokens=0).url == "http://d0"
     # An instance out of routing adds nothing to its neighbours' cores.
     board.mark_dead("http://p0")
     assert {c.url: c.core_peer_reqs for c in board.candidates("decode")} == {"http://d0": 0}

@@ -54,6 +54,7 @@ from banaserve.cluster.relay_bodies import computed_prompt_tokens, prefill_body
 from banaserve.router.base import NoHealthyInstance, Policy, Role
 from banaserve.router.placement import Placement, Placer
 from banaserve.router.router import Router
+from banaserve.router.spare_prefill import SERVE_ON_SPARE_PREFILL
 from banaserve.router.spill import SPILL_PREFILL
 
 logger = logging.getLogger("banaserve.cluster")
@@ -81,6 +82,7 @@ class GatewayCounters:
     handoffs: int = 0
     direct: int = 0
     direct_on_prefill: int = 0
+    long_on_prefill: int = 0  # of those, longer than in-place: the prefill cores were spare
     followed: int = 0
     spilled: int = 0  # needed a handoff, ran whole: the prefill instances were backed up
     retries: int = 0
@@ -118,10 +120,12 @@ class Gateway:
         clear_store: ClearStore | None = None,
         migration: MigrationLoop | None = None,
         spill_prefill: bool = SPILL_PREFILL,
+        serve_on_spare_prefill: bool = SERVE_ON_SPARE_PREFILL,
     ) -> None:
         self.board = board
         placer = placer if placer is not None else Placer()
-        self.router = Router(board, prefill_policy, decode_policy, placer, spill_prefill)
+        self.router = Router(board, prefill_policy, decode_policy, placer, spill_prefill,
+                             serve_on_spare_prefill)  # fmt: skip
         self.intake = intake if intake is not None else Intake()
         self._prefilling: dict[str, asyncio.Event] = {}  # by prompt, handoffs in prefill
         self.extra_info = extra_info
@@ -284,7 +288,8 @@ class Gateway:
             try:
                 pick = self.router.pick(Role.DECODE, shape, tried, only=only,
                                         any_role=placement.any_role,
-                                        prefill_tokens=placement.uncached_tokens)  # fmt: skip
+                                        prefill_tokens=placement.uncached_tokens,
+                                        handed_off=placement.handoff)  # fmt: skip
             except NoHealthyInstance:
                 self.counters.errors += 1
                 return unavailable(f"No instance could serve the request: {last_error}.")
@@ -297,6 +302,8 @@ class Gateway:
                 self.counters.fallbacks_to_prefill += 1
             if pick.role == Role.PREFILL:
                 self.counters.direct_on_prefill += 1
+                if not (placement.any_role or pick.fallback):
+                    self.counters.long_on_prefill += 1
             pid = self.failover.pid_of(url)
             try:
                 return await self._relay(request, url, admitted, raw, pid)
@@ -437,6 +444,7 @@ class Gateway:
             "handoff_min_tokens": placer.handoff_min_tokens,
             "in_place_max_new_tokens": placer.in_place_max_new_tokens,
             "spill_prefill": router.spill_prefill,
+            "serve_on_spare_prefill": router.serve_on_spare_prefill,
             "gateway": {
                 **{k: v for k, v in asdict(counters).items() if k != "started_at"},
                 "uptime_s": round(time.time() - counters.started_at, 1),

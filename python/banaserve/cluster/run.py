@@ -177,7 +177,7 @@ def run_cluster(plan: LaunchConfig) -> None:
         asyncio.run(
             serve_gateway(
                 processes, specs, options, urls, token, model_path,
-                args.host or "127.0.0.1", args.port or 30000, ledger, lending,
+                args.host, args.port, ledger, lending,
             )
         )  # fmt: skip
     finally:
@@ -278,6 +278,7 @@ async def serve_gateway(
         clear_store=store_client.clear if store_client is not None else None,
         migration=migration,
         spill_prefill=options.spill_prefill,
+        serve_on_spare_prefill=options.serve_on_spare_prefill,
     )
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()

@@ -25,6 +25,7 @@ from banaserve.config.store_options import KvStoreOptions
 from banaserve.migration import MIGRATION_MODES
 from banaserve.router.placement import HANDOFF_MIN_TOKENS, IN_PLACE_MAX_NEW_TOKENS
 from banaserve.router.policies import POLICY_NAMES
+from banaserve.router.spare_prefill import SERVE_ON_SPARE_PREFILL
 from banaserve.router.spill import SPILL_PREFILL
 
 PROG = "python -m banaserve.launch_server"
@@ -55,8 +56,8 @@ class EngineFlags:
     max_total_tokens: int | None
     kv_pool_memory_fraction: float
     no_cpu_defaults: bool
-    host: str | None
-    port: int | None
+    host: str
+    port: int
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EngineFlags:
@@ -98,6 +99,7 @@ class ClusterOptions:
     migration: str
     spill_prefill: bool
     migration_predictive: bool
+    serve_on_spare_prefill: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
@@ -130,6 +132,10 @@ class ClusterOptions:
             migration=args.migration,
             spill_prefill=args.spill_prefill == "on",
             migration_predictive=args.migration_predictive,
+            # Under layer migration the controller lends the prefill cores, layer by layer.
+            serve_on_spare_prefill=(
+                args.serve_on_spare_prefill == "on" and args.migration != "layer"
+            ),
         )
 
 
@@ -235,6 +241,16 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         "at most --in-place-max-new-tokens tokens, else on a decode instance whose cores hold "
         "fewer requests (default: "
         f"{'on' if SPILL_PREFILL else 'off'}).",
+    )
+    cluster.add_argument(
+        "--serve-on-spare-prefill",
+        choices=("on", "off"),
+        default="on" if SERVE_ON_SPARE_PREFILL else "off",
+        help="'on': a request that generates more than --in-place-max-new-tokens tokens runs "
+        "on a prefill instance when no prompt waits there and its cores hold fewer requests "
+        "than the decode instance's; 'off' keeps every long request on decode instances "
+        f"(default: {'on' if SERVE_ON_SPARE_PREFILL else 'off'}; always off with --migration "
+        "layer, whose controller lends the prefill cores).",
     )
     cluster.add_argument(
         "--in-place-max-new-tokens",

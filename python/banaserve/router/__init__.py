@@ -11,6 +11,7 @@ simulator run the same decisions.
 - :mod:`.request_shape`: :class:`RequestShape`, a request as the router sees it.
 - :mod:`.placement`: handoff through the store or whole on one instance.
 - :mod:`.spill`: a long prompt runs whole when the prefill instances are backed up.
+- :mod:`.spare_prefill`: a long request runs on a prefill instance whose cores are spare.
 - :mod:`.policies`: BanaServe's load-aware policy, round robin, :func:`make_policy`.
 - :mod:`.cache_aware`: sglang-router's ``cache_aware`` policy, the baseline, over the
   approximate trees of :mod:`.prefix_tree`.
@@ -35,11 +36,13 @@ from banaserve.router.policies import (
 from banaserve.router.prefix_tree import ApproxRadixTree
 from banaserve.router.request_shape import RequestShape
 from banaserve.router.router import Pick, Router
+from banaserve.router.spare_prefill import SERVE_ON_SPARE_PREFILL, spare_prefill_or
 from banaserve.router.spill import SPILL_PREFILL, prefill_backlogged
 
 __all__ = [
     "POLICY_NAMES",
     "ROLES",
+    "SERVE_ON_SPARE_PREFILL",
     "SPILL_PREFILL",
     "ApproxRadixTree",
     "Board",
@@ -64,5 +67,6 @@ __all__ = [
     "make_policy",
     "parse_sglang_metrics",
     "prefill_backlogged",
+    "spare_prefill_or",
     "with_inflight",
 ]

@@ -17,6 +17,7 @@ from banaserve.router.board import Board
 from banaserve.router.load import InstanceLoad
 from banaserve.router.placement import Placement, Placer
 from banaserve.router.request_shape import RequestShape
+from banaserve.router.spare_prefill import SERVE_ON_SPARE_PREFILL, spare_prefill_or
 from banaserve.router.spill import SPILL_PREFILL, prefill_backlogged
 
 
@@ -50,12 +51,14 @@ class Router:
         decode_policy: Policy,
         placer: Placer,
         spill_prefill: bool = SPILL_PREFILL,
+        serve_on_spare_prefill: bool = SERVE_ON_SPARE_PREFILL,
     ) -> None:
         self.board = board
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.placer = placer
         self.spill_prefill = spill_prefill
+        self.serve_on_spare_prefill = serve_on_spare_prefill
 
     def plan(self, shape: RequestShape) -> Placement:
         """Handoff or direct, and the prompt recorded as computed (see :class:`Placer`);
@@ -91,6 +94,7 @@ class Router:
         only: str | None = None,
         any_role: bool = False,
         prefill_tokens: int | None = None,
+        handed_off: bool = False,
     ) -> Pick:
         """The instance for ``shape``'s next ``role`` step, booked on the board.
 
@@ -98,7 +102,12 @@ class Router:
         ``Role.DECODE``: the serve step, among the decode instances, and the prefill ones too
         with ``any_role`` (a short direct request) or ``only``; among the prefill ones when no
         decode instance is healthy, so the cluster keeps serving. ``Role.MIXED`` instances
-        (moved there by the migration controller) take both steps. Instances in ``tried`` are
+        (moved there by the migration controller) take both steps. With
+        ``serve_on_spare_prefill`` and the ``load_aware`` decode policy, the serve step of a
+        long direct request (not ``handed_off``: a handoff's prompt was prefilled to decode on
+        a decode instance) may go to a prefill instance whose cores are spare
+        (:mod:`banaserve.router.spare_prefill`).
+        Instances in ``tried`` are
         skipped; ``only`` allows that one instance alone (a suspect request goes back to the
         instance that restarted). ``prefill_tokens`` (default: the whole prompt) count as
         the instance's queued prefill work until :meth:`done`.
@@ -107,6 +116,7 @@ class Router:
         """
         role, fallback = Role(role), False
         mixed = self.board.healthy(Role.MIXED)
+        spare: list[InstanceLoad] = []
         if role == Role.PREFILL:
             pool, policy = self.board.healthy(Role.PREFILL) + mixed, self.prefill_policy
         else:
@@ -115,10 +125,14 @@ class Router:
                 pool += self.board.healthy(Role.PREFILL)
             elif not pool:
                 pool, fallback = self.board.healthy(Role.PREFILL), True
+            elif self.serve_on_spare_prefill and not handed_off and policy.name == "load_aware":
+                spare = [c for c in self.board.healthy(Role.PREFILL) if allowed(c, tried, None)]
         candidates = [c for c in pool if allowed(c, tried, only)]
         if not candidates:
             raise NoHealthyInstance(str(role), len(pool))
         chosen = policy.choose(candidates, shape.prompt)
+        if spare:
+            chosen = spare_prefill_or(chosen, spare, self.placer.handoff_min_tokens)
         tokens = shape.prompt_tokens if prefill_tokens is None else prefill_tokens
         self.board.begin(chosen.url, tokens)
         return Pick(chosen.url, role, Role(chosen.role), tokens, fallback)

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
     parser.add_argument(
         "--host",
-        default="127.0.0.1",
+        default=ServerConfig.host,
         help="address every listener binds (default: %(default)s, this host only; 0.0.0.0: all "
         "interfaces, which needs a token)",
     )
@@ -342,7 +342,7 @@ def ucx_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True, help="UCX port; 0 picks a free one")
     parser.add_argument(
         "--host",
-        default="127.0.0.1",
+        default=ServerConfig.host,
         help="host named in the URL; UCX listens on every interface, so anything but 0.0.0.0 "
         "needs --insecure (default: %(default)s)",
     )

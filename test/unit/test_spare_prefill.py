@@ -1,0 +1,155 @@
+"""Roles as preferences: a long request runs on a prefill instance whose cores are spare, and
+a prompt takes that instance back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from banaserve.api.request_validation import GENERATE
+from banaserve.launch_server import plan_launch
+from banaserve.router import (
+    SERVE_ON_SPARE_PREFILL,
+    Board,
+    InstanceLoad,
+    Placer,
+    RequestShape,
+    Role,
+    Router,
+    make_policy,
+    spare_prefill_or,
+)
+
+MIN = 256
+CHAT = "You are a helpful assistant. " * 80  # a cached system prompt: no handoff
+
+
+def load(url: str, role: str, reqs: int = 0, queued_tokens: int = 0, peers: int = 0,
+         healthy: bool = True, kv_used: int = 0) -> InstanceLoad:  # fmt: skip
+    return InstanceLoad(url, role, healthy, running_reqs=reqs, queued_prefill_tokens=queued_tokens,
+                        core_peer_reqs=peers, kv_capacity_tokens=1000 if kv_used else 0,
+                        kv_used_tokens=kv_used)  # fmt: skip
+
+
+DECODE_BUSY = load("d0", "decode", reqs=2)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "chosen"),
+    [
+        # prefill-1 has a core to itself and nothing on it: the long request goes there.
+        ([load("p1", "prefill")], "p1"),
+        # As many requests on its cores as on the decode instance's: the decode keeps it.
+        ([load("p1", "prefill", reqs=2)], "d0"),
+        # prefill-0 shares decode-0's core (its neighbours' requests count): never spare.
+        ([load("p0", "prefill", peers=2)], "d0"),
+        # A prompt waits there for its prefill step: the prompt comes first.
+        ([load("p1", "prefill", queued_tokens=MIN)], "d0"),
+        # Less than a handoff's worth queued (a direct request's booked tail) does not count.
+        ([load("p1", "prefill", reqs=1, queued_tokens=MIN - 1)], "p1"),
+        # Unhealthy or KV saturated: not spare.
+        ([load("p1", "prefill", healthy=False)], "d0"),
+        ([load("p1", "prefill", kv_used=950)], "d0"),
+        # Of two spare ones, the fewest requests on its cores.
+        ([load("p0", "prefill", reqs=1), load("p1", "prefill")], "p1"),
+        ([], "d0"),
+    ],
+)  # fmt: skip
+def test_a_long_request_takes_a_spare_prefill_core_only(
+    prefill: list[InstanceLoad], chosen: str
+) -> None:
+    assert spare_prefill_or(DECODE_BUSY, prefill, MIN).url == chosen
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    role: str
+    url: str
+    cores: tuple[int, ...]
+
+
+def router_2p1d(on: bool = SERVE_ON_SPARE_PREFILL, policy: str = "load_aware") -> Router:
+    """The default layout on two cores: prefill-0 and decode-0 share core 0."""
+    board = Board([Spec("prefill-0", "prefill", "http://p0", (0,)),
+                   Spec("prefill-1", "prefill", "http://p1", (1,)),
+                   Spec("decode-0", "decode", "http://d0", (0,))], lambda: 0.0)  # fmt: skip
+    return Router(board, make_policy(policy, Role.PREFILL), make_policy(policy, Role.DECODE),
+                  Placer(MIN), serve_on_spare_prefill=on)  # fmt: skip
+
+
+def chat(turn: int, max_new_tokens: int = 48) -> RequestShape:
+    text = CHAT + f"question {turn}"
+    return RequestShape(GENERATE, text, len(text) // 4, False, max_new_tokens)
+
+
+def serve(router: Router, shape: RequestShape):  # noqa: ANN201
+    plan = router.plan(shape)
+    assert not plan.handoff and not plan.any_role  # cached prompt, long output
+    return router.pick(Role.DECODE, shape, any_role=False, prefill_tokens=plan.uncached_tokens)
+
+
+def test_long_outputs_alternate_between_the_two_cores() -> None:
+    assert SERVE_ON_SPARE_PREFILL  # on by default
+    router = router_2p1d()
+    router.plan(chat(0, 0))  # the system prompt is computed once (a cache fill)
+    picks = [serve(router, chat(turn)) for turn in range(1, 7)]
+    assert [p.url for p in picks] == ["http://d0", "http://p1"] * 3
+    assert [p.role for p in picks[1::2]] == [Role.PREFILL] * 3
+    for pick, turn in zip(picks, range(1, 7), strict=True):
+        router.done(pick, chat(turn))
+
+
+def test_a_prompt_takes_the_prefill_instance_back() -> None:
+    router = router_2p1d()
+    router.plan(chat(0, 0))
+    first = serve(router, chat(1))  # decode-0
+    # A new document arrives: its handoff's prefill step goes to prefill-1 (core 1 is free
+    # of prefill work and holds fewer requests than core 0).
+    document = RequestShape(GENERATE, "A new document. " * 400, 1600, False, 48)
+    assert router.plan(document).handoff
+    prefill = router.pick(Role.PREFILL, document)
+    assert prefill.url == "http://p1"
+    # While its prompt waits there, long requests stay on decode-0 though core 1 holds fewer.
+    assert serve(router, chat(2)).url == "http://d0"
+    router.done(prefill, document)
+    router.done(first, chat(1))
+
+
+@pytest.mark.parametrize(("on", "policy"), [(False, "load_aware"), (True, "round_robin")])
+def test_off_or_under_a_baseline_policy_long_requests_stay_on_decode(on: bool, policy: str) -> None:
+    router = router_2p1d(on, policy)
+    router.plan(chat(0, 0))
+    assert {serve(router, chat(turn)).url for turn in range(1, 5)} == {"http://d0"}
+
+
+def test_a_handoffs_serve_step_stays_on_decode() -> None:
+    router = router_2p1d()
+    router.plan(chat(0, 0))
+    serve(router, chat(1))  # decode-0 holds one, prefill-1's core none
+    shape = chat(2)
+    router.plan(shape)
+    assert router.pick(Role.DECODE, shape, handed_off=True).url == "http://d0"
+    assert router.pick(Role.DECODE, shape).url == "http://p1"  # the same, direct
+
+
+def test_a_retry_does_not_go_back_to_the_prefill_instance_it_tried() -> None:
+    router = router_2p1d()
+    router.plan(chat(0, 0))
+    serve(router, chat(1))  # decode-0 holds one
+    shape = chat(2)
+    router.plan(shape)
+    pick = router.pick(Role.DECODE, shape, tried={"http://p1"})
+    assert pick.url == "http://d0"
+
+
+def test_the_command_line_sets_it(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BANASERVE_PLATFORM", "cpu")
+    argv = ["--model-path", str(tiny_model), "--num-prefill", "2", "--num-decode", "1",
+            "--max-total-tokens", "4096"]  # fmt: skip
+    default = plan_launch(argv).cluster
+    assert default is not None and default.serve_on_spare_prefill is SERVE_ON_SPARE_PREFILL
+    off = plan_launch([*argv, "--serve-on-spare-prefill", "off"]).cluster
+    assert off is not None and off.serve_on_spare_prefill is False
