@@ -15,8 +15,9 @@ forced through the handoff (pure PD), without in-place execution, with cache_awa
 and without coalescing, on hotspot and cache pressure (or the ``--workloads`` named).
 
 Workloads (``compare_workloads.py``): hotspot, zipf, cache pressure and uniform at 4 and at 128
-output tokens, and bursty arrivals; ``--sweep`` adds zipf at 4 request rates for BanaServe and
-the best baseline on zipf (``sweep.png``).
+output tokens, multi-turn chat, decode-heavy (48-256 output tokens), and bursty arrivals;
+``--sweep`` adds zipf at 4 request rates for BanaServe and the best baseline on zipf
+(``sweep.png``).
 
 Clean runs: before every run each system's caches are cleared (instances, host pools, shared
 L3, BanaServe's store and its gateway's prompt index), a warm-up on unrelated prompts is sent
@@ -31,8 +32,8 @@ prefill, decode, L3 and PD transfer per request), writes ``results.json``, ``com
 and ends with::
 
     compare hotspot_vs_best=… (best=…) hotspot_long_vs_best=… (best=…) zipf_vs_best=… …
-    cache_pressure_vs_best=… uniform_vs_best=… uniform_long_vs_best=…
-    ttft_p99_hotspot_vs_best=… (best=…)
+    cache_pressure_vs_best=… uniform_vs_best=… uniform_long_vs_best=… chat_vs_best=…
+    decode_heavy_vs_best=… ttft_p99_hotspot_vs_best=… (best=…)
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ FULL_SYSTEMS = (
     "coloc_hicache", "stock_cache_aware", "stock_round_robin", "stock_power_of_two", "pd_radix",
     "banaserve", "banaserve_role",
 )  # fmt: skip
-QUICK_SYSTEMS = ("coloc_2_round_robin", "stock_cache_aware", "banaserve")
+#: SGLang HiCache with a shared L3 is in every run: the best baseline on most loads (RESULTS.md).
+QUICK_SYSTEMS = ("coloc_2_round_robin", "coloc_hicache", "stock_cache_aware", "banaserve")
 QUICK_WORKLOADS = ("hotspot", "hotspot_long", "cache_pressure", "uniform", "chat", "decode_heavy")
 ABLATION_WORKLOADS = ("hotspot", "cache_pressure")
 WARM_UP_PROMPT = "Warm-up {i}: the weather in a town that no measured prompt mentions is"
@@ -213,7 +215,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quick", action="store_true", help="3 systems, 4 smaller workloads")
+    parser.add_argument("--quick", action="store_true", help="4 systems, 6 smaller workloads")
     parser.add_argument("--systems", default=None, help="comma-separated subset of systems")
     parser.add_argument("--workloads", default=None, help="comma-separated subset of workloads")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt count")

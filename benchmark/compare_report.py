@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: The final line's workloads, in order.
 SUMMARY_WORKLOADS = ("hotspot", "hotspot_long", "zipf", "cache_pressure", "uniform",
-                     "uniform_long")  # fmt: skip
+                     "uniform_long", "chat", "decode_heavy")  # fmt: skip
 STOCK_PD = "stock_cache_aware"
 
 

@@ -76,6 +76,8 @@ def test_summary_line_names_the_best_baseline_of_each_workload() -> None:
         "cache_pressure_vs_best=1.50 (best=stock_power_of_two) "
         "uniform_vs_best=nan (best=coloc_2_round_robin) "
         "uniform_long_vs_best=nan (best=none) "
+        "chat_vs_best=nan (best=none) "
+        "decode_heavy_vs_best=nan (best=none) "
         # TTFT p99 against the lowest of any baseline, here not the fastest one's.
         "ttft_p99_hotspot_vs_best=0.50 (best=stock_cache_aware)"
     )

@@ -90,6 +90,21 @@ def test_pick_books_the_request_until_done() -> None:
     assert all(c.queued_prefill_tokens == 0 for c in board.candidates("prefill"))
 
 
+def test_a_served_prompt_stops_counting_as_queued_at_its_first_token() -> None:
+    router, board, _ = make_router()
+    request = shape()
+    pick = router.pick(Role.DECODE, request, any_role=True)  # a direct request, prompt uncached
+    queued = {c.url: c.queued_prefill_tokens for c in board.candidates("decode")}
+    assert queued[pick.url] == 300
+    # Its first token came back: the prompt is computed, the request still decodes there.
+    pick = router.first_token(pick)
+    load = next(c for c in board.candidates("decode") if c.url == pick.url)
+    assert (load.queued_prefill_tokens, board.inflight_requests(pick.url)) == (0, 1)
+    router.done(pick, request)
+    assert board.inflight_requests(pick.url) == 0
+    assert all(c.queued_prefill_tokens == 0 for c in board.candidates("decode"))
+
+
 def test_decode_step_skips_tried_and_honours_only() -> None:
     router, board, _ = make_router()
     request = shape()

@@ -4,12 +4,10 @@ a prompt takes that instance back."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from banaserve.api.request_validation import GENERATE
-from banaserve.launch_server import plan_launch
 from banaserve.router import (
     SERVE_ON_SPARE_PREFILL,
     Board,
@@ -143,13 +141,3 @@ def test_a_retry_does_not_go_back_to_the_prefill_instance_it_tried() -> None:
     router.plan(shape)
     pick = router.pick(Role.DECODE, shape, tried={"http://p1"})
     assert pick.url == "http://d0"
-
-
-def test_the_command_line_sets_it(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BANASERVE_PLATFORM", "cpu")
-    argv = ["--model-path", str(tiny_model), "--num-prefill", "2", "--num-decode", "1",
-            "--max-total-tokens", "4096"]  # fmt: skip
-    default = plan_launch(argv).cluster
-    assert default is not None and default.serve_on_spare_prefill is SERVE_ON_SPARE_PREFILL
-    off = plan_launch([*argv, "--serve-on-spare-prefill", "off"]).cluster
-    assert off is not None and off.serve_on_spare_prefill is False

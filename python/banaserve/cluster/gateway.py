@@ -305,8 +305,13 @@ class Gateway:
                 if not (placement.any_role or pick.fallback):
                     self.counters.long_on_prefill += 1
             pid = self.failover.pid_of(url)
+
+            def first_token() -> None:
+                nonlocal pick
+                pick = self.router.first_token(pick)
+
             try:
-                return await self._relay(request, url, admitted, raw, pid)
+                return await self._relay(request, url, admitted, raw, pid, first_token)
             except (aiohttp.ClientError, OSError, InstanceGone, InstanceDied) as exc:
                 # Nothing reached the client yet (_relay handles failures after that).
                 last_error = f"{url} failed: {exc!r}"
@@ -317,10 +322,12 @@ class Gateway:
                 self.router.done(pick, shape)
 
     async def _relay(
-        self, request: web.Request, url: str, admitted: Admitted, raw: bytes, pid: int | None
-    ) -> web.StreamResponse:
-        """Send the request to ``url`` and pass its answer through. Raises (for a retry) only
-        while nothing has been sent to the client."""
+        self, request: web.Request, url: str, admitted: Admitted, raw: bytes, pid: int | None,
+        first_token: Callable[[], None],
+    ) -> web.StreamResponse:  # fmt: skip
+        """Send the request to ``url`` and pass its answer through; ``first_token`` is called
+        at a stream's first chunk (its prompt is computed). Raises (for a retry) only while
+        nothing has been sent to the client."""
         assert self.session is not None
         shape = admitted.shape
         headers = {"Content-Type": JSON}
@@ -342,6 +349,7 @@ class Gateway:
             })  # fmt: skip
             await out.prepare(request)
             failure: BaseException | None = None
+            pending: Callable[[], None] | None = first_token
             while True:
                 try:
                     chunk = await self._race(upstream.content.readany(), url)
@@ -350,6 +358,9 @@ class Gateway:
                     break
                 if not chunk:
                     break
+                if pending is not None:
+                    pending()
+                    pending = None
                 try:
                     await out.write(chunk)
                 except (ConnectionError, aiohttp.ClientError):

@@ -145,6 +145,11 @@ class Board:
         inflight.requests -= 1
         inflight.prefill_tokens -= prefill_tokens
 
+    def prefilled(self, url: str, prefill_tokens: int) -> None:
+        """The prompt of a request :meth:`begin` booked on ``url`` was computed (its first
+        token came back): its ``prefill_tokens`` stop counting as queued there."""
+        self._inflight[url].prefill_tokens -= prefill_tokens
+
     def inflight_requests(self, url: str) -> int:
         """Requests sent to ``url`` that have not ended."""
         return self._inflight[url].requests

@@ -9,6 +9,7 @@ instances already tried.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -136,6 +137,13 @@ class Router:
         tokens = shape.prompt_tokens if prefill_tokens is None else prefill_tokens
         self.board.begin(chosen.url, tokens)
         return Pick(chosen.url, role, Role(chosen.role), tokens, fallback)
+
+    def first_token(self, pick: Pick) -> Pick:
+        """``pick``'s instance answered its first token, so its prompt is computed: the pick
+        with no prefill tokens booked any more (hand that one to :meth:`done`). Without it a
+        long request's prompt would count as queued prefill work until its last token."""
+        self.board.prefilled(pick.url, pick.prefill_tokens)
+        return dataclasses.replace(pick, prefill_tokens=0)
 
     def done(self, pick: Pick, shape: RequestShape) -> None:
         """The step :meth:`pick` placed has ended (answered, failed or abandoned)."""
