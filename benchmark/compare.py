@@ -173,8 +173,8 @@ def run_workload(
             state = urllib.request.urlopen(f"{running.url}/cluster", timeout=30).read()
             (out / f"{system}-{workload.name}-cluster.json").write_bytes(state)
 
-    def delta(name: str, i: int) -> float:
-        return attribution.delta(before[i], after[i], name)
+    def delta(name: str, i: int, label: str = "") -> float:
+        return attribution.delta(before[i], after[i], name, label)
 
     n = len(running.prefill_urls)
     requests = [int(delta("sglang:num_requests_total", i)) for i in range(len(running.urls))]
@@ -183,7 +183,9 @@ def run_workload(
     computing = [i for i in range(len(running.urls)) if spec.family != "pd" or i < n]
     prompt = sum(delta("sglang:prompt_tokens_total", i) for i in computing)
     cached = sum(delta("sglang:cached_tokens_total", i) for i in computing)
+    from_store = sum(delta("sglang:cached_tokens_total", i, "source=storage") for i in computing)
     result.prefill_hit_rate = cached / prompt if prompt else 0.0
+    result.store_hit_rate = from_store / prompt if prompt else 0.0
     return result
 
 

@@ -49,14 +49,17 @@ def scrape(url: str) -> Scrape:
 
 
 def parse(text: str) -> Scrape:
-    """Prometheus text summed per sample name and ``stage`` (or ``op``) label; histogram
-    buckets are skipped."""
+    """Prometheus text summed per sample name and ``stage`` (or ``op``) label, and per
+    ``cache_source`` as ``source=NAME``; histogram buckets are skipped."""
     out: Scrape = defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not sample.name.endswith("_bucket"):
                 label = sample.labels.get("stage") or sample.labels.get("op", "")
                 out[sample.name, label] += sample.value
+                source = sample.labels.get("cache_source")
+                if source:  # cached tokens: by source too (device, host, storage)
+                    out[sample.name, f"source={source}"] += sample.value
     return dict(out)
 
 

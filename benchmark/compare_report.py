@@ -37,7 +37,8 @@ class Result:
     completed: int = 0
     per_prefill: list[int] = field(default_factory=list)
     per_decode: list[int] = field(default_factory=list)
-    prefill_hit_rate: float = 0.0
+    prefill_hit_rate: float = 0.0  # prompt tokens found cached, on the instance or in L3
+    store_hit_rate: float = 0.0  # of the prompt tokens, those loaded from L3 (the store)
     error: str = ""
     #: With ``--repeat``: req/s of every completed run; the row is the median one's, whole.
     runs_req_per_s: list[float] = field(default_factory=list)
@@ -151,7 +152,7 @@ def per_instance(r: Result) -> str:
 def table(results: list[Result]) -> list[str]:
     lines = [f"{'system':<26}{'workload':<22}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>10}"
              f"{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'dur s':>7}  {'requests P|D':<17}"
-             "hit"]  # fmt: skip
+             "hit (L3)"]  # fmt: skip
     for r in results:
         if r.error:
             lines.append(f"{r.system:<26}{r.workload:<22}  FAILED: {r.error.splitlines()[-1:]}")
@@ -160,7 +161,7 @@ def table(results: list[Result]) -> list[str]:
             f"{r.system:<26}{r.workload:<22}{r.req_per_s:>7.2f}{r.output_tok_per_s:>10.1f}"
             f"{r.ttft_p50_ms:>10.0f}{r.ttft_p99_ms:>9.0f}{r.tpot_p50_ms:>10.1f}"
             f"{r.tpot_p99_ms:>8.1f}{r.duration_s:>7.1f}  {per_instance(r):<17}"
-            f"{r.prefill_hit_rate:>4.0%}"
+            f"{r.prefill_hit_rate:>4.0%} ({r.store_hit_rate:.0%})"
         )
     return lines
 

@@ -93,6 +93,10 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
         sglang_argv += ["--served-model-name", served_name]
     if not args.enable_metrics:
         sglang_argv.append("--enable-metrics")
+    if not args.enable_cache_report:
+        # OpenAI replies then say how many prompt tokens were cached, as /generate's do: the
+        # gateway books them per instance and for a conversation's next turns (/cluster).
+        sglang_argv.append("--enable-cache-report")
 
     if cpu_platform_wanted() and not args.no_cpu_defaults:
         if args.device is None:

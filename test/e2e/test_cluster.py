@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from banaserve.launch_server import KV_STORE_PAGE_SIZE as PAGE
 from banaserve.utils.processes import ManagedProcess, free_port, tail
 from support.cluster import (
     GREEDY,
@@ -36,7 +38,7 @@ from support.cluster import (
     running_cluster,
     streamed_generate,
 )
-from support.servers import TEST_KV_TOKENS, Server
+from support.servers import STATE_TIMEOUT, TEST_KV_TOKENS, Server
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +244,92 @@ def test_clear_caches_leaves_every_cache_cold(cluster: Cluster) -> None:
         if i["role"] == "prefill"
     )
     assert computed >= first["meta_info"]["prompt_tokens"] - 16, computed
+
+
+def wait_for_store_pages(cluster: Cluster, pages: int) -> None:
+    """Until the store holds at least ``pages`` pages (an instance writes a finished request's
+    pages back after it answers)."""
+    deadline = time.monotonic() + STATE_TIMEOUT
+    while True:
+        held = sum(shard["ram_pages"] for shard in cluster.state()["store"].values())
+        if held >= pages:
+            return
+        assert time.monotonic() < deadline, f"the store holds {held} pages, not {pages}"
+        time.sleep(0.25)
+
+
+def generate_ids(url: str, ids: list[int], max_new_tokens: int) -> dict:
+    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    answer = requests.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": params},
+                           timeout=300)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_next_turn_on_another_instance_loads_the_whole_previous_turn(
+    cluster: Cluster, server: Server
+) -> None:
+    """Turn 1 runs on decode-0, which writes its prompt's and its generated tokens' pages to
+    the store; turn 2 (turn 1's prompt, its answer and a new question) runs on prefill-1,
+    which never saw turn 1, finds both in the store, and answers as one plain instance."""
+    rng = random.Random(606)
+    prompt = [rng.randrange(100, 2000) for _ in range(300)]
+    question = [rng.randrange(100, 2000) for _ in range(20)]
+    urls = {i["name"]: i["url"] for i in cluster.state()["instances"]}
+    before = settled_store_pages(cluster)
+    first = generate_ids(urls["decode-0"], prompt, 40)
+    assert first["output_ids"] == generate_ids(server.url, prompt, 40)["output_ids"]
+    # Page-aligned, all but the last generated token (it has no KV yet) are written back.
+    written = (len(prompt) + len(first["output_ids"]) - 1) // PAGE * PAGE
+    wait_for_store_pages(cluster, before + written // PAGE)
+    turn = prompt + first["output_ids"] + question
+    second = generate_ids(urls["prefill-1"], turn, 8)
+    assert second["output_ids"] == generate_ids(server.url, turn, 8)["output_ids"]
+    details = second["meta_info"]["cached_tokens_details"]
+    assert details["device"] == 0 and details["storage"] >= written, details
+    assert written > len(prompt) // PAGE * PAGE  # generated tokens' pages among them
+
+
+def test_cluster_reports_what_a_chats_next_turn_found_cached(
+    cluster: Cluster, server: Server
+) -> None:
+    name = cluster.served_model_name
+    plain, ours = openai_client(server.url), openai_client(cluster.url)
+    kwargs = {"model": name, "max_tokens": MAX_TOKENS, "temperature": 0}
+    history = [{"role": "user", "content": long_prompt(seed=707, words=300)}]
+    first = ours.chat.completions.create(messages=history, **kwargs)
+    answer = first.choices[0].message.content
+    assert (
+        answer
+        == plain.chat.completions.create(messages=history, **kwargs).choices[0].message.content
+    )
+    history += [{"role": "assistant", "content": answer},
+                {"role": "user", "content": "And after that?"}]  # fmt: skip
+    expected = plain.chat.completions.create(messages=history, **kwargs).choices[0]
+    before = cluster.state()["gateway"]
+    stream = ours.chat.completions.create(
+        messages=history, stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        expected.message.content
+    )
+    usage = chunks[-1].usage
+    state = cluster.state()
+    after = state["gateway"]
+
+    def delta(key: str) -> int:
+        return after[key] - before[key]
+
+    assert (delta("follow_up_turns"), delta("follow_up_reported")) == (1, 1), after
+    # What the client was told is what the gateway booked for the next turn.
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert (delta("follow_up_prompt_tokens"), delta("follow_up_cached_tokens")) == (
+        usage.prompt_tokens, cached,
+    )  # fmt: skip
+    # Turn 1's prompt at least was found (on the instance that ran it, or in the store).
+    assert cached >= first.usage.prompt_tokens // PAGE * PAGE - PAGE, (cached, first.usage)
+    assert state["multi_turn"]["follow_up_turns"] >= 1 and state["multi_turn"]["hit_rate"] > 0
 
 
 def test_instances_are_pinned_to_their_own_cores(cluster: Cluster) -> None:

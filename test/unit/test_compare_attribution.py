@@ -44,3 +44,16 @@ def test_an_instance_that_does_not_answer_the_client_adds_no_decode_time() -> No
     before, after = attribution.parse(BEFORE), attribution.parse(AFTER)
     out = attribution.attribute([before], [after], [False], kv_bytes=0)
     assert out.requests == 0 and out.decode_s == 0 and out.store_get_s == pytest.approx(1.0)
+
+
+def test_cached_tokens_are_summed_and_told_apart_by_source() -> None:
+    text = "\n".join([
+        "# TYPE sglang:cached_tokens_total counter",
+        'sglang:cached_tokens_total{cache_source="device",tp_rank="0"} 30',
+        'sglang:cached_tokens_total{cache_source="storage",tp_rank="0"} 50',
+        "",
+    ])  # fmt: skip
+    scrape = attribution.parse(text)
+    assert scrape["sglang:cached_tokens_total", ""] == 80
+    assert scrape["sglang:cached_tokens_total", "source=storage"] == 50
+    assert attribution.delta({}, scrape, "sglang:cached_tokens_total", "source=storage") == 50

@@ -33,7 +33,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import aiohttp
@@ -43,6 +43,7 @@ from banaserve.api.request_limits import RequestRejected, check_body_size, check
 from banaserve.api.request_validation import GENERATION_PATHS
 from banaserve.cluster import cache_admin
 from banaserve.cluster.cache_admin import ClearStore
+from banaserve.cluster.counters import GatewayCounters, multi_turn_state
 from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
 from banaserve.cluster.http_errors import error_response, unavailable
 from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
@@ -50,9 +51,10 @@ from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.migration_loop import MigrationLoop
 from banaserve.cluster.poison import PoisonGuard
 from banaserve.cluster.prometheus import render_metrics
-from banaserve.cluster.relay_bodies import computed_prompt_tokens, prefill_body
+from banaserve.cluster.relay_bodies import StreamTail, computed_prompt_tokens, prefill_body
 from banaserve.router.base import NoHealthyInstance, Policy, Role
 from banaserve.router.placement import Placement, Placer
+from banaserve.router.request_shape import RequestShape
 from banaserve.router.router import Router
 from banaserve.router.spare_prefill import SERVE_ON_SPARE_PREFILL
 from banaserve.router.spill import SPILL_PREFILL
@@ -71,29 +73,6 @@ INFO_PATHS = ("/v1/models", "/get_model_info", "/model_info", "/get_server_info"
 
 class InstanceGone(Exception):
     """The instance a request was waiting on left routing (died or stopped answering)."""
-
-
-@dataclass
-class GatewayCounters:
-    """Monotonic counts of what the gateway did, for ``/cluster`` and ``/metrics``; written
-    on the gateway's event loop only."""
-
-    requests: int = 0
-    handoffs: int = 0
-    direct: int = 0
-    direct_on_prefill: int = 0
-    long_on_prefill: int = 0  # of those, longer than in-place: the prefill cores were spare
-    followed: int = 0
-    spilled: int = 0  # needed a handoff, ran whole: the prefill instances were backed up
-    retries: int = 0
-    errors: int = 0
-    fallbacks_to_prefill: int = 0
-    rejected: int = 0  # refused by the intake (4xx)
-    intake_busy: int = 0
-    deaths_while_serving: int = 0
-    quarantined: int = 0  # requests answered 500 at their second instance death
-    quarantine_refusals: int = 0
-    started_at: float = field(default_factory=time.time)
 
 
 class Gateway:
@@ -186,6 +165,7 @@ class Gateway:
             self.counters.quarantine_refusals += 1
             return error_response(400, refusal)
         shape = admitted.shape
+        self.counters.follow_up_turns += shape.prior_turns > 0
         if self.migration is not None:
             self.migration.arrived(shape.prompt_tokens, shape.max_new_tokens or 0)
         placement = self.router.plan(shape)
@@ -259,15 +239,24 @@ class Gateway:
                 logger.warning("prefill on %s answered %d: %s", url, status, data[:300])
                 self.counters.retries += 1
                 continue
-            self._count_prompt(url, shape.path, data)
+            with contextlib.suppress(ValueError):  # not JSON: nothing to book
+                counts = computed_prompt_tokens(shape.path, json.loads(data))
+                self._count_prompt(url, shape, counts, True)
             return None
 
-    def _count_prompt(self, url: str, path: str, reply: bytes) -> None:
-        """Book the prompt tokens an instance's JSON reply says it computed."""
-        try:
-            self.board.count_prompt(url, *computed_prompt_tokens(path, json.loads(reply)))
-        except ValueError:
-            pass  # not JSON: nothing to book
+    def _count_prompt(self, url: str, shape: RequestShape, counts: tuple[int, int],
+                      computes_prompt: bool) -> None:  # fmt: skip
+        """Book (prompt tokens, of them cached) that an instance's reply reported; a
+        conversation's next turn is booked by the step that ``computes_prompt`` (a handoff's
+        prefill, or the one instance a direct request ran on)."""
+        prompt, cached = counts
+        if not prompt:
+            return
+        self.board.count_prompt(url, prompt, cached)
+        if computes_prompt and shape.prior_turns:
+            self.counters.follow_up_reported += 1
+            self.counters.follow_up_prompt_tokens += prompt
+            self.counters.follow_up_cached_tokens += cached
 
     async def _post_json(self, url: str, payload: dict[str, Any]) -> tuple[int, bytes]:
         assert self.session is not None
@@ -311,7 +300,8 @@ class Gateway:
                 pick = self.router.first_token(pick)
 
             try:
-                return await self._relay(request, url, admitted, raw, pid, first_token)
+                return await self._relay(request, url, admitted, raw, pid, first_token,
+                                         not placement.handoff)  # fmt: skip
             except (aiohttp.ClientError, OSError, InstanceGone, InstanceDied) as exc:
                 # Nothing reached the client yet (_relay handles failures after that).
                 last_error = f"{url} failed: {exc!r}"
@@ -323,11 +313,12 @@ class Gateway:
 
     async def _relay(
         self, request: web.Request, url: str, admitted: Admitted, raw: bytes, pid: int | None,
-        first_token: Callable[[], None],
+        first_token: Callable[[], None], computes_prompt: bool,
     ) -> web.StreamResponse:  # fmt: skip
         """Send the request to ``url`` and pass its answer through; ``first_token`` is called
-        at a stream's first chunk (its prompt is computed). Raises (for a retry) only while
-        nothing has been sent to the client."""
+        at a stream's first chunk (its prompt is computed). The prompt tokens the answer
+        reports are booked (:meth:`_count_prompt`). Raises (for a retry) only while nothing has
+        been sent to the client."""
         assert self.session is not None
         shape = admitted.shape
         headers = {"Content-Type": JSON}
@@ -340,7 +331,9 @@ class Gateway:
                 data = await self._race(upstream.read(), url)
                 await self.failover.raise_if_died(url, pid, upstream.status)
                 if upstream.status == 200:
-                    self._count_prompt(url, shape.path, data)
+                    with contextlib.suppress(ValueError):  # not JSON: nothing to book
+                        counts = computed_prompt_tokens(shape.path, json.loads(data))
+                        self._count_prompt(url, shape, counts, computes_prompt)
                 return web.Response(
                     status=upstream.status, body=data, headers={"Content-Type": content_type}
                 )
@@ -350,6 +343,7 @@ class Gateway:
             await out.prepare(request)
             failure: BaseException | None = None
             pending: Callable[[], None] | None = first_token
+            tail = StreamTail()
             while True:
                 try:
                     chunk = await self._race(upstream.content.readany(), url)
@@ -361,6 +355,7 @@ class Gateway:
                 if pending is not None:
                     pending()
                     pending = None
+                tail.add(chunk)
                 try:
                     await out.write(chunk)
                 except (ConnectionError, aiohttp.ClientError):
@@ -373,6 +368,8 @@ class Gateway:
                 error = {"error": {"message": message, "code": 503}}
                 with contextlib.suppress(ConnectionError, aiohttp.ClientError):
                     await out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+            else:
+                self._count_prompt(url, shape, tail.prompt_tokens(shape.path), computes_prompt)
             with contextlib.suppress(ConnectionError, aiohttp.ClientError):
                 await out.write_eof()
             return out
@@ -460,6 +457,7 @@ class Gateway:
                 **{k: v for k, v in asdict(counters).items() if k != "started_at"},
                 "uptime_s": round(time.time() - counters.started_at, 1),
             },
+            "multi_turn": multi_turn_state(counters),
             "supervisor": self.failover.deaths.report() if self.failover.deaths else {},
             "migration": self.migration_state(),
             "instances": instances,

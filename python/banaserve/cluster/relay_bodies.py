@@ -1,4 +1,5 @@
-"""The bodies the gateway relays for a handoff, and what an instance's reply says it computed.
+"""The bodies the gateway relays for a handoff, and what an instance's reply (whole or streamed)
+says it computed.
 
 Handoff through the store (when :mod:`banaserve.router.placement` chooses it): the gateway
 first asks a prefill instance for one token of the request, which makes that instance compute
@@ -11,6 +12,8 @@ pairs with any decode: nothing but the store connects them.
 from __future__ import annotations
 
 import copy
+import json
+from collections import deque
 from typing import Any
 
 from banaserve.api.request_validation import GENERATE
@@ -52,3 +55,46 @@ def computed_prompt_tokens(path: str, reply: Any) -> tuple[int, int]:
     usage = reply.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
     return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
+
+
+#: The end of a stream kept to read its prompt-token counts from: the last event of a streamed
+#: ``/generate`` (cumulative text and meta info) or a chat's usage chunk fits, unless the
+#: client asked for logprobs or a very long answer (then nothing is booked for it).
+STREAM_TAIL_BYTES = 64 * 1024
+
+
+class StreamTail:
+    """The last ``limit`` bytes (about) of a server-sent-event stream, as chunks; one relay's,
+    on the gateway's event loop."""
+
+    def __init__(self, limit: int = STREAM_TAIL_BYTES) -> None:
+        self.limit = limit
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+
+    def add(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        while len(self._chunks) > 1 and self._size - len(self._chunks[0]) >= self.limit:
+            self._size -= len(self._chunks.popleft())
+
+    @property
+    def size(self) -> int:
+        """Bytes kept: under ``limit`` plus the newest chunk."""
+        return self._size
+
+    def prompt_tokens(self, path: str) -> tuple[int, int]:
+        """:func:`computed_prompt_tokens` of the last event that says them ((0, 0) if none
+        does: a chat stream reports usage only when its client asks, ``include_usage``)."""
+        events = b"".join(self._chunks).split(b"\n")
+        for line in reversed(events):
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            try:
+                counts = computed_prompt_tokens(path, json.loads(line[5:]))
+            except ValueError:  # the tail began mid-event
+                continue
+            if counts[0]:
+                return counts
+        return 0, 0

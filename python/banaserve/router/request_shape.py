@@ -22,6 +22,7 @@ class RequestShape:
     prompt_tokens: int  # estimated
     stream: bool
     max_new_tokens: int | None  # None: the server's default
+    prior_turns: int = 0  # a chat's assistant messages: > 0 for a conversation's next turn
 
 
 def _text_of(value: Any) -> str:
@@ -56,6 +57,15 @@ def _token_count_of_ids(body: dict[str, Any], key: str) -> int | None:
     return None
 
 
+def prior_turns_of(path: str, body: dict[str, Any]) -> int:
+    """How many answers a chat request's history holds (its ``assistant`` messages): the
+    turns of the conversation before this one."""
+    messages = body.get("messages") if path == CHAT else None
+    if not isinstance(messages, list):
+        return 0
+    return sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+
+
 def max_new_tokens_of(path: str, body: dict[str, Any]) -> int | None:
     if path == GENERATE:
         params = body.get("sampling_params")
@@ -79,4 +89,5 @@ def shape_request(
         prompt_tokens=tokens,
         stream=bool(body.get("stream", False)),
         max_new_tokens=max_new_tokens_of(path, body),
+        prior_turns=prior_turns_of(path, body),
     )
