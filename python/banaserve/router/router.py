@@ -95,6 +95,7 @@ class Router:
         only: str | None = None,
         any_role: bool = False,
         prefill_tokens: int | None = None,
+        handed_off: bool = False,
     ) -> Pick:
         """The instance for ``shape``'s next ``role`` step, booked on the board.
 
@@ -104,9 +105,11 @@ class Router:
         decode instance is healthy, so the cluster keeps serving. ``Role.MIXED`` instances
         (moved there by the migration controller) take both steps. With
         ``serve_on_spare_prefill`` and the ``load_aware`` decode policy, the serve step of a
-        long request (direct or handed off) may go to a prefill instance whose cores are spare
-        (:mod:`banaserve.router.spare_prefill`). Instances in ``tried`` are skipped;
-        ``only`` allows that one instance alone (a suspect request goes back to the
+        long direct request (not ``handed_off``: a handoff's prompt was prefilled to decode on
+        a decode instance) may go to a prefill instance whose cores are spare
+        (:mod:`banaserve.router.spare_prefill`).
+        Instances in ``tried`` are
+        skipped; ``only`` allows that one instance alone (a suspect request goes back to the
         instance that restarted). ``prefill_tokens`` (default: the whole prompt) count as
         the instance's queued prefill work until :meth:`done`.
 
@@ -123,7 +126,7 @@ class Router:
                 pool += self.board.healthy(Role.PREFILL)
             elif not pool:
                 pool, fallback = self.board.healthy(Role.PREFILL), True
-            elif self.serve_on_spare_prefill and policy.name == "load_aware":
+            elif self.serve_on_spare_prefill and not handed_off and policy.name == "load_aware":
                 spare = [c for c in self.board.healthy(Role.PREFILL) if allowed(c, tried, None)]
         candidates = [c for c in pool if allowed(c, tried, only)]
         if not candidates:
