@@ -111,9 +111,14 @@ def test_a_prompt_takes_the_prefill_instance_back() -> None:
     prefill = router.pick(Role.PREFILL, document)
     assert prefill.url == "http://p1"
     # While its prompt waits there, long requests stay on decode-0 though core 1 holds fewer.
-    assert serve(router, chat(2)).url == "http://d0"
+    second = serve(router, chat(2))
+    assert second.url == "http://d0"
     router.done(prefill, document)
-    router.done(first, chat(1))
+    # The prompt is computed: the very next long request takes prefill-1 again (no dwell).
+    third = serve(router, chat(3))
+    assert third.url == "http://p1"
+    for pick, turn in ((first, 1), (second, 2), (third, 3)):
+        router.done(pick, chat(turn))
 
 
 @pytest.mark.parametrize(("on", "policy"), [(False, "load_aware"), (True, "round_robin")])
