@@ -51,7 +51,7 @@ from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.migration_loop import MigrationLoop
 from banaserve.cluster.poison import PoisonGuard
 from banaserve.cluster.prometheus import render_metrics
-from banaserve.cluster.relay_bodies import StreamTail, computed_prompt_tokens, prefill_body
+from banaserve.cluster.relay_bodies import StreamTail, prefill_body, whole_reply_prompt_tokens
 from banaserve.router.base import NoHealthyInstance, Policy, Role
 from banaserve.router.placement import Placement, Placer
 from banaserve.router.request_shape import RequestShape
@@ -239,9 +239,7 @@ class Gateway:
                 logger.warning("prefill on %s answered %d: %s", url, status, data[:300])
                 self.counters.retries += 1
                 continue
-            with contextlib.suppress(ValueError):  # not JSON: nothing to book
-                counts = computed_prompt_tokens(shape.path, json.loads(data))
-                self._count_prompt(url, shape, counts, True)
+            self._count_prompt(url, shape, whole_reply_prompt_tokens(shape.path, data), True)
             return None
 
     def _count_prompt(self, url: str, shape: RequestShape, counts: tuple[int, int],
@@ -331,9 +329,8 @@ class Gateway:
                 data = await self._race(upstream.read(), url)
                 await self.failover.raise_if_died(url, pid, upstream.status)
                 if upstream.status == 200:
-                    with contextlib.suppress(ValueError):  # not JSON: nothing to book
-                        counts = computed_prompt_tokens(shape.path, json.loads(data))
-                        self._count_prompt(url, shape, counts, computes_prompt)
+                    counts = whole_reply_prompt_tokens(shape.path, data)
+                    self._count_prompt(url, shape, counts, computes_prompt)
                 return web.Response(
                     status=upstream.status, body=data, headers={"Content-Type": content_type}
                 )

@@ -57,6 +57,14 @@ def computed_prompt_tokens(path: str, reply: Any) -> tuple[int, int]:
     return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
 
 
+def whole_reply_prompt_tokens(path: str, data: bytes) -> tuple[int, int]:
+    """:func:`computed_prompt_tokens` of a whole (not streamed) reply; (0, 0) if not JSON."""
+    try:
+        return computed_prompt_tokens(path, json.loads(data))
+    except ValueError:
+        return 0, 0
+
+
 #: The end of a stream kept to read its prompt-token counts from: the last event of a streamed
 #: ``/generate`` (cumulative text and meta info) or a chat's usage chunk fits, unless the
 #: client asked for logprobs or a very long answer (then nothing is booked for it).
