@@ -38,6 +38,7 @@ from banaserve.config.store_options import KV_STORE_EMBEDDED, KvStoreOptions
 from banaserve.env import MOVABLE_ENV
 from banaserve.migration.boundary_control import split_dir_for
 from banaserve.platform import cpu_platform_wanted, install
+from banaserve.router.loads_report import PUBLISH_EVERY_DECODE_STEPS
 from banaserve.server.kv_pool_sizing import size_kv_pool
 from banaserve.server.memory_plan import host_pool_ratio
 from banaserve.utils.processes import ManagedProcess
@@ -97,6 +98,9 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
         # OpenAI replies then say how many prompt tokens were cached, as /generate's do: the
         # gateway books them per instance and for a conversation's next turns (/cluster).
         sglang_argv.append("--enable-cache-report")
+    if not any(a.startswith("--load-snapshot-publish-interval") for a in argv):
+        # The gateway routes on each instance's /v1/loads snapshot: keep it one step old.
+        sglang_argv += ["--load-snapshot-publish-interval", str(PUBLISH_EVERY_DECODE_STEPS)]
 
     if cpu_platform_wanted() and not args.no_cpu_defaults:
         if args.device is None:

@@ -25,16 +25,20 @@ def test_cpu_defaults_added_and_user_flags_kept(tiny_model: Path, monkeypatch) -
     assert argv[:4] == ["--model-path", str(tiny_model), "--port", "1234"]
     assert argv[argv.index("--device") + 1] == "cpu"
     assert "--sleep-on-idle" in argv and "--enable-metrics" in argv
+    # The gateway routes on /v1/loads: the snapshot is published after every decode step.
+    assert argv[argv.index("--load-snapshot-publish-interval") + 1] == "1"
     tokens = int(argv[argv.index("--max-total-tokens") + 1])
     assert kv_pool_sizing.MIN_TOKENS <= tokens <= kv_pool_sizing.MAX_TOKENS
     assert argv[argv.index("--served-model-name") + 1] == tiny_model.name
 
     plan = plan_launch(
         ["--model-path", str(tiny_model), "--device", "cpu", "--max-total-tokens", "999",
-         "--served-model-name", "mine", "--kv-pool-memory-fraction", "0.5"]
+         "--served-model-name", "mine", "--kv-pool-memory-fraction", "0.5",
+         "--load-snapshot-publish-interval", "7"]
     )  # fmt: skip
     argv = plan.sglang_argv
     assert argv.count("--device") == 1 and argv.count("--max-total-tokens") == 1
+    assert argv.count("--load-snapshot-publish-interval") == 1  # the user's 7 is kept
     assert "--kv-pool-memory-fraction" not in argv  # BanaServe's own flags stay with us
     assert plan.served_names[0] == "mine"
 

@@ -149,7 +149,7 @@ def test_a_relabelled_instance_is_routed_in_its_new_role() -> None:
     assert board.set_role(P1, Role.DECODE) == Role.PREFILL
     assert router.pick(Role.DECODE, shape).url == P1  # decode-0 is busy with the first
     assert [c.url for c in board.candidates(Role.PREFILL)] == [P0]
-    board.record_poll(SPECS[1], 'sglang:num_running_reqs{tp_rank="0"} 1\n')
+    board.record_poll(SPECS[1], {"loads": [{"num_running_reqs": 1}]})
     assert board.loads[P1].role == "decode"  # a poll keeps the current role
     board.set_role(P0, Role.MIXED)  # takes both steps now
     assert router.pick(Role.PREFILL, shape).url == P0 and router.can_prefill()

@@ -22,9 +22,7 @@ from banaserve.router import (
 
 ROUTER_DIR = Path(banaserve.router.__file__).parent
 FORBIDDEN = ("banaserve.cluster", "aiohttp", "asyncio")
-METRICS = """sglang:num_running_reqs{tp_rank="0"} 3
-sglang:num_queue_reqs{tp_rank="0"} 1
-"""
+LOADS = {"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 1}]}
 
 
 @dataclass(frozen=True)
@@ -193,16 +191,17 @@ def test_board_stamps_records_with_its_clock_and_takes_failures_out_of_routing()
     clock = board.clock
     assert isinstance(clock, Clock)
     clock.now = 250.0
-    board.record_poll(SPECS[2], METRICS)
+    board.record_poll(SPECS[2], LOADS)
     load = board.loads["http://d0"]
     assert (load.running_reqs, load.queued_reqs, load.updated_at) == (3, 1, 250.0)
-    for _ in range(3):
+    for _ in range(2):
         board.record_poll(SPECS[2], None, "refused")
+    board.record_poll(SPECS[2], {"detail": "Not Found"})  # an answer it cannot read fails too
     assert board.healthy("decode") == []
-    board.record_poll(SPECS[2], METRICS)
+    board.record_poll(SPECS[2], LOADS)
     assert [c.url for c in board.healthy("decode")] == ["http://d0"]
     board.mark_dead("http://d0")
-    board.record_poll(SPECS[2], METRICS)  # a dead instance's poll is ignored
+    board.record_poll(SPECS[2], LOADS)  # a dead instance's poll is ignored
     assert board.healthy("decode") == []
     clock.now = 300.0
     board.revive("http://d0")

@@ -1,4 +1,4 @@
-"""The cluster's side of the router's board: the poller of every instance's ``/metrics``, and
+"""The cluster's side of the router's board: the poller of every instance's ``/v1/loads``, and
 the "instance gone" events that wake the requests waiting on an instance that left routing.
 
 The accounting itself (load records, in-flight counts, when an instance leaves routing) is
@@ -15,6 +15,7 @@ import aiohttp
 
 from banaserve.cluster.topology import InstanceSpec
 from banaserve.router.board import Board
+from banaserve.router.loads_report import LOADS_PATH
 
 POLL_INTERVAL_S = 0.5
 POLL_TIMEOUT_S = 2.0
@@ -45,18 +46,20 @@ class LoadBoard(Board):
 
 
 async def poll_forever(board: Board, session: aiohttp.ClientSession) -> None:
-    """Poll every instance's ``/metrics`` until cancelled."""
+    """Poll every instance's ``/v1/loads`` until cancelled."""
     timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)
 
     async def poll(spec: InstanceSpec) -> None:
         try:
-            async with session.get(f"{spec.url}/metrics", timeout=timeout) as response:
+            async with session.get(f"{spec.url}{LOADS_PATH}", timeout=timeout) as response:
                 if response.status != 200:
-                    board.record_poll(spec, None, f"/metrics answered {response.status}")
+                    board.record_poll(spec, None, f"{LOADS_PATH} answered {response.status}")
                     return
-                board.record_poll(spec, await response.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            board.record_poll(spec, None, f"/metrics failed: {exc!r}")
+                answer = await response.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            board.record_poll(spec, None, f"{LOADS_PATH} failed: {exc!r}")
+            return
+        board.record_poll(spec, answer)
 
     while True:
         await asyncio.gather(*(poll(spec) for spec in board.specs))

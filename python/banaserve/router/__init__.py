@@ -6,7 +6,7 @@ simulator run the same decisions.
 
 - :mod:`.base`: :class:`Role`, the :class:`Policy` contract, :class:`NoHealthyInstance`.
 - :mod:`.load`: :class:`InstanceLoad`, the one typed load record per instance.
-- :mod:`.metrics_parse`: SGLang ``/metrics`` text -> :class:`InstanceLoad`.
+- :mod:`.loads_report`: an SGLang ``/v1/loads`` answer -> :class:`InstanceLoad`.
 - :mod:`.board`: the latest record per instance and the router's in-flight accounting.
 - :mod:`.request_shape`: :class:`RequestShape`, a request as the router sees it.
 - :mod:`.placement`: handoff through the store or whole on one instance.
@@ -22,7 +22,7 @@ from banaserve.router.base import ROLES, NoHealthyInstance, Policy, Role, health
 from banaserve.router.board import Board
 from banaserve.router.cache_aware import CacheAwarePolicy
 from banaserve.router.load import InstanceLoad, with_inflight
-from banaserve.router.metrics_parse import load_from_metrics, parse_sglang_metrics
+from banaserve.router.loads_report import LOADS_PATH, load_from_loads
 from banaserve.router.placement import NoStorePlacer, Placement, Placer
 from banaserve.router.policies import (
     POLICY_NAMES,
@@ -40,6 +40,7 @@ from banaserve.router.spare_prefill import SERVE_ON_SPARE_PREFILL, spare_prefill
 from banaserve.router.spill import SPILL_PREFILL, prefill_backlogged
 
 __all__ = [
+    "LOADS_PATH",
     "POLICY_NAMES",
     "ROLES",
     "SERVE_ON_SPARE_PREFILL",
@@ -63,9 +64,8 @@ __all__ = [
     "healthy_candidates",
     "load_aware_decode",
     "load_aware_prefill",
-    "load_from_metrics",
+    "load_from_loads",
     "make_policy",
-    "parse_sglang_metrics",
     "prefill_backlogged",
     "spare_prefill_or",
     "with_inflight",

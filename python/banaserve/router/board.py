@@ -1,9 +1,9 @@
 """The router's view of the cluster: the latest load record per instance, and its own count of
 the work it sent that has not ended.
 
-An instance's record comes from its ``/metrics`` (read by the cluster's poller, which hands the
-text to :meth:`Board.record_poll`), merged with the router's in-flight counts when a policy
-reads it (metrics lag behind a burst by up to one poll; see
+An instance's record comes from its ``/v1/loads`` answer (read by the cluster's poller, which
+hands it to :meth:`Board.record_poll`), merged with the router's in-flight counts when a policy
+reads it (reports lag behind a burst by up to one poll; see
 :func:`banaserve.router.load.with_inflight`). An instance whose process exited is out of
 routing until :meth:`Board.revive`; one whose polls failed :data:`FAILURES_BEFORE_DOWN` times
 in a row leaves routing until a later good poll.
@@ -24,7 +24,7 @@ from typing import Protocol
 
 from banaserve.router.base import Role
 from banaserve.router.load import InstanceLoad, with_inflight
-from banaserve.router.metrics_parse import load_from_metrics
+from banaserve.router.loads_report import load_from_loads
 
 logger = logging.getLogger("banaserve.router")
 
@@ -179,22 +179,29 @@ class Board:
         self._returned(url)
         self.loads[url] = replace(self.loads[url], healthy=True, updated_at=self.clock())
 
-    def record_poll(self, spec: Member, text: str | None, why: str = "") -> None:
-        """One poll of ``spec``'s ``/metrics``: its text, or None and why the poll failed."""
+    def record_poll(self, spec: Member, answer: object | None, why: str = "") -> None:
+        """One poll of ``spec``'s ``/v1/loads``: its decoded JSON answer, or None and why the
+        poll failed. An answer of the wrong shape counts as a failed poll."""
         url = spec.url
         if url in self._dead:
             return
-        if text is None:
+        load = None
+        if answer is not None:
+            try:
+                load = load_from_loads(url, str(self._roles[url]), answer, self.clock())
+            except ValueError as exc:
+                why = f"unreadable load report: {exc}"
+        if load is None:
             self._failures[url] += 1
             if self._failures[url] >= FAILURES_BEFORE_DOWN and self.loads[url].healthy:
-                logger.warning("%s leaves routing: %s", spec.name, why or "no metrics")
+                logger.warning("%s leaves routing: %s", spec.name, why or "no load report")
                 self._set_unhealthy(url)
             return
         if not self.loads[url].healthy:
             logger.info("%s is back in routing", spec.name)
             self._returned(url)
         self._failures[url] = 0
-        self.loads[url] = load_from_metrics(url, str(self._roles[url]), text, self.clock())
+        self.loads[url] = load
 
     def _set_unhealthy(self, url: str) -> None:
         self.loads[url] = replace(self.loads[url], healthy=False)

@@ -1,7 +1,7 @@
 """One instance's live load: the record every routing and balancing decision reads.
 
-There is one producer per instance (today the gateway's poller of the instance's ``/metrics``,
-see :mod:`banaserve.router.metrics_parse`; later the simulator's model of an instance), and many
+There is one producer per instance (today the gateway's poller of the instance's ``/v1/loads``,
+see :mod:`banaserve.router.loads_report`; later the simulator's model of an instance), and many
 readers: the router's policies today, the migration controller and the simulator later. Records
 are immutable, so a reader never sees one half-updated; a producer publishes a new record.
 """
