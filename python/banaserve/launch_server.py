@@ -208,12 +208,15 @@ def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, lis
     return process, hicache_args(options, urls)
 
 
-def add_request_guard(served_names: list[str], limits: RequestLimits) -> None:
+def add_request_checks(served_names: list[str], limits: RequestLimits) -> None:
+    """The request guard on SGLang's app, and the token-id check where SGLang tokenises."""
     from sglang.srt.entrypoints.http_server import app
 
+    from banaserve.server import token_id_check
     from banaserve.server.request_guard import RequestGuard
 
     app.add_middleware(RequestGuard, served_names=served_names, limits=limits)
+    token_id_check.install()
 
 
 def run_cluster_or_exit(plan: LaunchConfig) -> None:
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
             store_process, store_args = attach_kv_store(plan.kv_store)
             sglang_argv = sglang_argv + store_args
         server_args = prepare_server_args(sglang_argv)
-        add_request_guard(plan.served_names, plan.request_limits)
+        add_request_checks(plan.served_names, plan.request_limits)
         if MOVABLE_ENV in plan.env:
             from banaserve.server.boundary_route import add_boundary_route
 

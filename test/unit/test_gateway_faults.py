@@ -126,6 +126,12 @@ def test_a_poison_pill_costs_one_instance_and_is_quarantined() -> None:
                 assert len(hits) == 2 and hits[0] == hits[1] and len(deaths.waited_back) == 1
                 status, text = await post(f"{url}/generate", {"text": "pill"})
                 assert status == 400 and "refused for another" in text
+                # Known by what it asks, not its bytes: spacing and escapes change nothing.
+                async with aiohttp.ClientSession() as session, session.post(
+                    f"{url}/generate", data=b'{ "text" :\t"pil\\u006c" }',
+                    headers={"Content-Type": "application/json"},
+                ) as answer:  # fmt: skip
+                    assert answer.status == 400 and "refused for another" in await answer.text()
                 assert len(hits) == 2  # the quarantined body reached nobody
                 status, _ = await post(f"{url}/generate", {"text": "fine"})
                 assert status == 200
@@ -151,5 +157,34 @@ def test_a_request_on_a_killed_instance_is_retried_elsewhere_once() -> None:
                 status, text = await post(f"{url}/generate", {"text": "pill"})
                 assert status == 500 and "second time" in text
                 assert sorted(hits) == sorted([ports["p"], ports["d"]]) and not deaths.waited_back
+
+    asyncio.run(scenario())
+
+
+def test_with_an_api_key_the_gateway_asks_for_it_and_sends_it_on() -> None:
+    """``--api-key``: clients need it, as on one SGLang server; relays carry it to the
+    instances (which are started with it; the polls too: ``e2e/test_cluster_api_key.py``)."""
+    seen: list[str | None] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"text": "ok"})
+
+    async def scenario() -> None:
+        async with upstream(generate) as port:
+            specs = [InstanceSpec("decode-0", DECODE, port)]
+            async with gateway_for(specs, api_key="k1") as url, aiohttp.ClientSession() as client:
+                for headers in ({}, {"Authorization": "Bearer k2"}, {"Authorization": "k1"}):
+                    async with client.post(f"{url}/generate", json={"text": "x"},
+                                           headers=headers) as answer:  # fmt: skip
+                        assert answer.status == 401 and await answer.json() == {
+                            "error": "Unauthorized"
+                        }
+                async with client.get(f"{url}/health") as answer:
+                    assert answer.status == 200
+                key = {"Authorization": "Bearer k1"}
+                async with client.post(f"{url}/generate", json={"text": "x"}, headers=key) as ok:
+                    assert ok.status == 200
+        assert seen == ["Bearer k1"]  # the refused requests reached no instance
 
     asyncio.run(scenario())

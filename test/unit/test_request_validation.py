@@ -17,7 +17,8 @@ from banaserve.api.request_limits import (
 from banaserve.api.request_validation import CHAT, COMPLETIONS, GENERATE, validate_generation
 
 MODEL = ModelLimits(vocab_size=2048, context_length=512, max_token_bytes=8)
-LIMITS = RequestLimits(max_body_bytes=1 << 20, max_json_depth=8, max_n=4)
+LIMITS = RequestLimits(max_body_bytes=1 << 20, max_json_depth=8, max_n=4, max_sequences=8)
+HI = [{"role": "user", "content": "Hi"}]
 
 
 def rejected(path: str, body: dict) -> RequestRejected:
@@ -106,4 +107,74 @@ def test_n_is_bounded_and_sampling_parameters_in_range() -> None:
     ok = {"temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0, "n": 4, "max_new_tokens": 0}
     validate_generation(GENERATE, {"text": "x", "sampling_params": ok}, MODEL, LIMITS)
     # Other types are SGLang's to refuse (its OpenAI models coerce "0.5").
-    validate_generation(CHAT, {"messages": [], "temperature": "0.5"}, MODEL, LIMITS)
+    validate_generation(CHAT, {"messages": HI, "temperature": "0.5"}, MODEL, LIMITS)
+
+
+def test_what_a_request_asks_for_is_bounded_by_value() -> None:
+    """Each bound refuses with a 400 naming the field (issue 31: a bias of 1e308 was accepted,
+    a 2,048-wide top_logprobs_num made a 38 MiB answer)."""
+    cases = [
+        (CHAT, {"messages": HI, "logit_bias": {"5": 1e308}}, "logit_bias", "[-100, 100]"),
+        (GENERATE, {"text": "x", "sampling_params": {"logit_bias": {"5": -101}}}, "logit_bias",
+         "sampling_params.logit_bias[5]"),
+        (CHAT, {"messages": HI, "stop": ["s"] * 65}, "stop", "65 strings"),
+        (COMPLETIONS, {"prompt": "x", "stop": "s" * 1025}, "stop", "1024 characters"),
+        (GENERATE, {"text": "x", "top_logprobs_num": 2048}, "top_logprobs_num", "[0, 20]"),
+        (GENERATE, {"text": ["x", "y"], "top_logprobs_num": [1, 21]}, "top_logprobs_num", "21"),
+        (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": 50}, "logprobs", "[0, 20]"),
+        (GENERATE, {"text": "x", "sampling_params": {"regex": "a" * 70_000}}, "regex", "65536"),
+        (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"enum": ["v" * 70_000]}}}}, "response_format", "bytes"),
+        (GENERATE, {"text": "x", "sampling_params": {"max_new_tokens": 1e308}},
+         "max_new_tokens", "integer"),
+        (GENERATE, {"text": "x", "sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens",
+         "integer"),
+        (CHAT, {"messages": HI, "max_tokens": 2**40}, "max_tokens", "integer"),
+        (GENERATE, {"text": "x", "logprob_start_len": 512}, "logprob_start_len", "[-1, 512)"),
+        (GENERATE, {"text": "x", "logprob_start_len": -2}, "logprob_start_len", "-2"),
+        (GENERATE, {"text": ""}, "text", "empty"),
+        (GENERATE, {"input_ids": []}, "input_ids", "empty"),
+        (GENERATE, {"text": ["ok", ""]}, "text", "text[1] is empty"),
+        (COMPLETIONS, {"prompt": ""}, "prompt", "empty"),
+        (CHAT, {"messages": []}, "messages", "empty"),
+        (GENERATE, {"text": ["x"] * 3, "sampling_params": {"n": 3}}, "n", "9 sequences"),
+        (GENERATE, {"input_ids": [[1]] * 9}, "n", "--max-request-sequences"),
+        (COMPLETIONS, {"prompt": ["a", "b", "c"], "n": 3}, "n", "3 prompts x n=3"),
+    ]  # fmt: skip
+    for path, body, param, words in cases:
+        error = rejected(path, body)
+        assert error.status == 400 and error.param == param and words in error.message, body
+    fine = [
+        (CHAT, {"messages": HI, "logit_bias": {"5": 100, "6": -100}, "stop": ["a"] * 64,
+                "top_logprobs": 20, "max_tokens": 2**31 - 1, "n": 4}),
+        (GENERATE, {"text": ["x"] * 4, "sampling_params": {"n": 2, "max_new_tokens": 8},
+                    "top_logprobs_num": 20, "logprob_start_len": -1}),
+        (GENERATE, {"input_ids": [[1]] * 8, "logprob_start_len": 511}),
+        (COMPLETIONS, {"prompt": [[1, 2], [3]], "n": 4, "logprobs": 5, "max_tokens": "5"}),
+    ]  # fmt: skip
+    for path, body in fine:
+        validate_generation(path, body, MODEL, LIMITS)
+
+
+def test_each_prompt_of_a_batch_is_checked_against_the_context_alone() -> None:
+    """Issue 31: a batch of eight 450-token prompts on a 2,048-token model was refused, its
+    prompts counted as one joined text."""
+    from banaserve.cluster.intake import admit
+
+    model = ModelLimits(vocab_size=2048, context_length=2048, max_token_bytes=64)
+    words = len  # one token per character, for the test
+
+    def raw(body: dict) -> bytes:
+        return json.dumps(body).encode()
+
+    batch = {"text": ["w" * 450] * 8, "sampling_params": {"max_new_tokens": 1}}
+    admitted = admit(GENERATE, raw(batch), RequestLimits(), model, words)
+    assert admitted.shape.prompt_tokens == 3600 and admitted.shape.longest_prompt_tokens == 450
+    ids = {"input_ids": [[1] * 450] * 8}
+    assert admit(GENERATE, raw(ids), RequestLimits(), model, words).shape.prompt_tokens == 3600
+    completions = {"prompt": ["w" * 450] * 8, "max_tokens": 1}
+    admit(COMPLETIONS, raw(completions), RequestLimits(), model, words)
+    with pytest.raises(RequestRejected) as info:
+        admit(GENERATE, raw({"text": ["w" * 10, "w" * 2048]}), RequestLimits(), model, words)
+    assert "(2048 tokens) is longer than the model's context length" in info.value.message

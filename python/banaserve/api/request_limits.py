@@ -14,10 +14,23 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-#: The defaults of ``--max-request-bytes``, ``--max-json-depth`` and ``--max-request-n``.
+#: The defaults of ``--max-request-bytes``, ``--max-json-depth``, ``--max-request-n`` and
+#: ``--max-request-sequences``.
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 DEFAULT_MAX_JSON_DEPTH = 32
 DEFAULT_MAX_N = 16
+DEFAULT_MAX_SEQUENCES = 256
+#: OpenAI's documented bounds: ``top_logprobs`` at most 20, ``logit_bias`` values in
+#: [-100, 100] (a bias of 100 already bans or forces a token; 1e308 only overflows).
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+#: Stop strings are matched against the output's tail at every decode step, so their count
+#: and length bound that work; OpenAI allows 4, frontend programs use a few more.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+#: A ``regex``/``ebnf``/``json_schema``/``structural_tag`` is compiled into a grammar per
+#: request before it runs; 64 KiB is far more than any schema seen in SGLang's examples.
+MAX_GRAMMAR_BYTES = 64 << 10
 
 JSON_MEDIA_TYPE = "application/json"
 #: The ``type`` of an error body, by status, as SGLang's OpenAI server names them.
@@ -32,9 +45,20 @@ class RequestLimits:
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
     #: Most completions one request may ask for (``n``, ``best_of``, ``sampling_params.n``).
     max_n: int = DEFAULT_MAX_N
+    #: Most sequences one request may generate: its batch size times ``n``.
+    max_sequences: int = DEFAULT_MAX_SEQUENCES
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
+    max_logit_bias: float = MAX_LOGIT_BIAS
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_chars: int = MAX_STOP_CHARS
+    max_grammar_bytes: int = MAX_GRAMMAR_BYTES
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes < 1 or self.max_json_depth < 2 or self.max_n < 1:
+        counts = (self.max_body_bytes, self.max_n, self.max_sequences, self.max_stop_strings,
+                  self.max_stop_chars, self.max_grammar_bytes)  # fmt: skip
+        if min(counts) < 1 or self.max_json_depth < 2 or self.max_top_logprobs < 0:
+            raise ValueError(f"request limits out of range: {self}")
+        if not 0 < self.max_logit_bias < float("inf"):
             raise ValueError(f"request limits out of range: {self}")
 
 
@@ -52,6 +76,16 @@ class ModelLimits:
     def __post_init__(self) -> None:
         if self.vocab_size < 1 or self.context_length < 1 or self.max_token_bytes < 1:
             raise ValueError(f"model limits out of range: {self}")
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (``true`` is not one, though Python's bool is an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A JSON number."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class RequestRejected(Exception):

@@ -19,7 +19,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from banaserve.api.request_limits import ModelLimits, RequestLimits, RequestRejected
+from banaserve.api.request_limits import (
+    ModelLimits,
+    RequestLimits,
+    RequestRejected,
+    is_int,
+    is_number,
+)
+from banaserve.api.value_bounds import check_native, check_openai
 
 GENERATE = "/generate"
 COMPLETIONS = "/v1/completions"
@@ -52,22 +59,9 @@ SAMPLING_RANGES: dict[str, Range] = {
     "frequency_penalty": Range(-2.0, 2.0),
     "presence_penalty": Range(-2.0, 2.0),
     "repetition_penalty": Range(0.0, 2.0, low_open=True),
-    "max_new_tokens": Range(0),
-    "max_tokens": Range(0),
-    "max_completion_tokens": Range(0),
-    "min_new_tokens": Range(0),
-    "min_tokens": Range(0),
 }
 #: Fields that count completions; each must be an integer in ``[1, limits.max_n]``.
 N_FIELDS = ("n", "best_of")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_sampling(params: Any, where: str, limits: RequestLimits) -> None:
@@ -76,18 +70,18 @@ def check_sampling(params: Any, where: str, limits: RequestLimits) -> None:
         return  # SGLang refuses a non-object itself
     for name, allowed in SAMPLING_RANGES.items():
         value = params.get(name)
-        if _is_number(value) and not allowed.holds(value):
+        if is_number(value) and not allowed.holds(value):
             raise RequestRejected(
                 400, f"{where}{name} must be in {allowed.describe()}, got {value}.", name
             )
     top_k = params.get("top_k")
-    if _is_int(top_k) and top_k != -1 and top_k < 1:
+    if is_int(top_k) and top_k != -1 and top_k < 1:
         raise RequestRejected(400, f"{where}top_k must be -1 (off) or at least 1, got {top_k}.")
     for name in N_FIELDS:
         value = params.get(name)
         if value is None:
             continue
-        if not _is_int(value) or not 1 <= value <= limits.max_n:
+        if not is_int(value) or not 1 <= value <= limits.max_n:
             raise RequestRejected(
                 400,
                 f"{where}{name} must be an integer in [1, {limits.max_n}] (--max-request-n), "
@@ -98,17 +92,21 @@ def check_sampling(params: Any, where: str, limits: RequestLimits) -> None:
 
 def check_token_ids(ids: Any, name: str, model: ModelLimits, *, prompt: bool) -> None:
     """A flat list of integer ids in ``[0, vocab)``; a prompt must also fit the context."""
-    if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
+    if not isinstance(ids, list) or not all(is_int(i) for i in ids):
         raise RequestRejected(400, f"{name} must be a list of integer token ids.", name)
     if prompt and len(ids) >= model.context_length:
         raise RequestRejected(400, too_long_message(len(ids), model), name)
-    if ids and (min(ids) < 0 or max(ids) >= model.vocab_size):
-        bad = next(i for i in ids if not 0 <= i < model.vocab_size)
-        raise RequestRejected(
-            400,
-            f"{name} holds token id {bad}, outside the vocabulary [0, {model.vocab_size}).",
-            name,
-        )
+    wrong = vocabulary_error(ids, name, model.vocab_size)
+    if wrong is not None:
+        raise RequestRejected(400, wrong, name)
+
+
+def vocabulary_error(ids: list[int], name: str, vocab_size: int) -> str | None:
+    """What is wrong with the integer ids ``ids`` if one is outside ``[0, vocab_size)``."""
+    if not ids or 0 <= min(ids) and max(ids) < vocab_size:
+        return None
+    bad = next(i for i in ids if not 0 <= i < vocab_size)
+    return f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})."
 
 
 def too_long_message(tokens: int, model: ModelLimits, at_least: bool = False) -> str:
@@ -181,13 +179,6 @@ def _check_generate(body: dict[str, Any], model: ModelLimits, limits: RequestLim
     for i, one in enumerate(params if isinstance(params, list) else [params]):
         _check_common(one, "sampling_params." if params is one else f"sampling_params[{i}].",
                       model, limits)  # fmt: skip
-    top = body.get("top_logprobs_num")
-    for value in top if isinstance(top, list) else [top]:
-        if _is_int(value) and not 0 <= value <= model.vocab_size:
-            raise RequestRejected(
-                400, f"top_logprobs_num must be in [0, {model.vocab_size}], got {value}.",
-                "top_logprobs_num",
-            )  # fmt: skip
     wanted = body.get("token_ids_logprob")
     if wanted is not None:
         batch = isinstance(wanted, list) and wanted and all(isinstance(w, list) for w in wanted)
@@ -204,11 +195,6 @@ def _check_openai(path: str, body: dict[str, Any], model: ModelLimits,
             _ids_or_batch(prompt, "prompt", model)
         for text in _texts(prompt):
             check_text_length(text, "prompt", model)
-        logprobs = body.get("logprobs")
-        if _is_int(logprobs) and not 0 <= logprobs <= model.vocab_size:
-            raise RequestRejected(
-                400, f"logprobs must be in [0, {model.vocab_size}], got {logprobs}.", "logprobs"
-            )
         return
     messages = body.get("messages")
     if isinstance(messages, list):
@@ -216,11 +202,6 @@ def _check_openai(path: str, body: dict[str, Any], model: ModelLimits,
         if size // model.max_token_bytes >= model.context_length:
             fewest = size // model.max_token_bytes
             raise RequestRejected(400, too_long_message(fewest, model, at_least=True), "messages")
-    top = body.get("top_logprobs")
-    if _is_int(top) and not 0 <= top <= model.vocab_size:
-        raise RequestRejected(
-            400, f"top_logprobs must be in [0, {model.vocab_size}], got {top}.", "top_logprobs"
-        )
 
 
 def message_texts(messages: list[Any]) -> Iterator[str]:
@@ -238,8 +219,11 @@ def message_texts(messages: list[Any]) -> Iterator[str]:
 def validate_generation(
     path: str, body: dict[str, Any], model: ModelLimits, limits: RequestLimits
 ) -> None:
-    """Raise :class:`RequestRejected` (400) if ``body`` must not reach an instance."""
+    """Raise :class:`RequestRejected` (400) if ``body`` must not reach an instance: the checks
+    above, then the bounds by value of :mod:`banaserve.api.value_bounds`."""
     if path == GENERATE:
         _check_generate(body, model, limits)
+        check_native(body, model, limits)
     elif path in (COMPLETIONS, CHAT):
         _check_openai(path, body, model, limits)
+        check_openai(path == CHAT, body, limits)

@@ -42,6 +42,7 @@ from aiohttp import web
 from banaserve.api.request_limits import RequestRejected, check_body_size, check_content_type
 from banaserve.api.request_validation import GENERATION_PATHS
 from banaserve.cluster import cache_admin
+from banaserve.cluster.api_key import bearer, require_api_key
 from banaserve.cluster.cache_admin import ClearStore
 from banaserve.cluster.counters import GatewayCounters, multi_turn_state
 from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
@@ -100,8 +101,10 @@ class Gateway:
         migration: MigrationLoop | None = None,
         spill_prefill: bool = SPILL_PREFILL,
         serve_on_spare_prefill: bool = SERVE_ON_SPARE_PREFILL,
+        api_key: str | None = None,
     ) -> None:
         self.board = board
+        self.api_key = api_key  # --api-key: asked of clients, sent to the instances
         placer = placer if placer is not None else Placer()
         self.router = Router(board, prefill_policy, decode_policy, placer, spill_prefill,
                              serve_on_spare_prefill)  # fmt: skip
@@ -118,7 +121,10 @@ class Gateway:
 
     def app(self) -> web.Application:
         # aiohttp's own limit only backs up the check in _read_body (same bound, our message).
-        app = web.Application(client_max_size=self.intake.limits.max_body_bytes + 1)
+        middlewares = [require_api_key(self.api_key)] if self.api_key else []
+        app = web.Application(
+            client_max_size=self.intake.limits.max_body_bytes + 1, middlewares=middlewares
+        )
         for path in GENERATION_PATHS:
             app.router.add_post(path, self.handle_generation)
         for path in INFO_PATHS:
@@ -138,6 +144,7 @@ class Gateway:
 
     async def _open_session(self, _: web.Application) -> None:
         self.session = aiohttp.ClientSession(
+            headers=bearer(self.api_key),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             connector=aiohttp.TCPConnector(limit=0),
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,16 +51,19 @@ class IntakeBusy(Exception):
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request that may be routed: its decoded body, shape and digest (of path and body:
-    the identity under which a request that crashes instances is quarantined)."""
+    """A request that may be routed: its decoded body, shape and digest (of path and decoded
+    body: the identity under which a request that crashes instances is quarantined)."""
 
     body: dict[str, Any]
     shape: RequestShape
     digest: str
 
 
-def body_digest(path: str, raw: bytes) -> str:
-    return hashlib.sha256(path.encode() + b"\0" + raw).hexdigest()[:16]
+def body_digest(path: str, body: dict[str, Any]) -> str:
+    """The digest of what a request asks: its path and its decoded body, keys sorted, so a
+    resend with other spacing, key order or escapes is the same request (not its bytes)."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(f"{path}\0{canonical}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def admit(
@@ -78,9 +82,10 @@ def admit(
     # The count is exact for a text prompt; for chat it leaves out the template, so it can
     # only be short of what the instance will count, never over.
     counted = count_tokens is not None or path == CHAT
-    if model is not None and counted and shape.prompt_tokens >= model.context_length:
-        raise RequestRejected(400, too_long_message(shape.prompt_tokens, model))
-    return Admitted(body, shape, body_digest(path, raw))
+    # Each prompt of a batch runs as a request of its own: the longest must fit, not the sum.
+    if model is not None and counted and shape.longest_prompt_tokens >= model.context_length:
+        raise RequestRejected(400, too_long_message(shape.longest_prompt_tokens, model))
+    return Admitted(body, shape, body_digest(path, body))
 
 
 class Intake:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,8 +86,10 @@ class LayerMigration:
     """
 
     def __init__(self, board: Board, controller: LayerController, layout: LayerLayout,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic,
+                 instance_headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self.board = board
+        self.instance_headers = dict(instance_headers or {})  # on every call to an instance
         self.controller = controller
         self.layout = layout
         self.clock = clock
@@ -102,6 +104,7 @@ class LayerMigration:
     def for_cluster(
         cls, board: Board, specs: list[InstanceSpec], split: LayerSplit, layout: LayerLayout,
         model_path: Path, dtype: str, predictive: bool = False,
+        instance_headers: Mapping[str, str] | None = None,
     ) -> LayerMigration:  # fmt: skip
         splits = split_instances(specs, split, layer_weight_bytes(model_path, dtype))
         split_urls = {s.url for s in splits}
@@ -110,7 +113,7 @@ class LayerMigration:
             splits, cores=cores, config=LayerControllerConfig(predictive=predictive),
             boundary={s.url: split.boundary for s in splits},
         )  # fmt: skip
-        return cls(board, controller, layout)
+        return cls(board, controller, layout, instance_headers=instance_headers)
 
     def arrived(self, prompt_tokens: int, output_tokens: int) -> None:
         self.trend.record(self.clock(), prompt_tokens, output_tokens)
@@ -137,7 +140,7 @@ class LayerMigration:
 
     async def run_forever(self) -> None:
         async with aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=INSTANCE_TIMEOUT_S)
+            headers=self.instance_headers, timeout=aiohttp.ClientTimeout(total=INSTANCE_TIMEOUT_S)
         ) as session:
             self._session = session
             while True:
@@ -227,7 +230,10 @@ class LayerMigration:
         session = self._session
         temporary = session is None  # an admin call before the loop runs
         if session is None:
-            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=INSTANCE_TIMEOUT_S))
+            session = aiohttp.ClientSession(
+                headers=self.instance_headers,
+                timeout=aiohttp.ClientTimeout(total=INSTANCE_TIMEOUT_S),
+            )
         body = None if boundary is None else {"boundary": boundary}
         try:
             async with session.request(method, f"{url}/pp_boundary", json=body) as answer:

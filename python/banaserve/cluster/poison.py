@@ -1,9 +1,10 @@
 """Poison pills: requests that kill the instances serving them.
 
-A request is known by the digest of its path and body (:func:`banaserve.cluster.intake.
-body_digest`). Each time an instance dies while serving it, :meth:`PoisonGuard.died_serving`
-counts one more death against that digest, whichever request carried it (a client resending
-the same body counts too). What the gateway does then (:meth:`PoisonGuard.after_death`):
+A request is known by the digest of its path and decoded body, what it asks and not its
+bytes (:func:`banaserve.cluster.intake.body_digest`). Each time an instance dies while
+serving it, :meth:`PoisonGuard.died_serving` counts one more death against that digest,
+whichever request carried it (a client resending the same body counts too, however spaced).
+What the gateway does then (:meth:`PoisonGuard.after_death`):
 
 - an instance that crashed by itself (it exited, no signal from outside) may have been
   killed by this very request, so the request is retried once, on that same instance once

@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from banaserve.api.request_limits import ModelLimits
+from banaserve.cluster.api_key import bearer
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.intake import Intake, load_tokenizer, model_vocab_size
 from banaserve.cluster.layer_layout import LayerLayout
@@ -177,7 +178,7 @@ def run_cluster(plan: LaunchConfig) -> None:
         asyncio.run(
             serve_gateway(
                 processes, specs, options, urls, token, model_path,
-                args.host, args.port, ledger, lending,
+                args.host, args.port, ledger, lending, args.api_key,
             )
         )  # fmt: skip
     finally:
@@ -193,7 +194,7 @@ def run_cluster(plan: LaunchConfig) -> None:
 
 
 async def model_limits(
-    model_path: str, specs: list[Any], max_token_bytes: int | None
+    model_path: str, specs: list[Any], max_token_bytes: int | None, api_key: str | None
 ) -> ModelLimits | None:
     """The model's vocabulary and context, the latter as an instance reports it (SGLang
     derives it from the config and ``--context-length``); None if either is unknown."""
@@ -201,7 +202,9 @@ async def model_limits(
 
     vocab = model_vocab_size(model_path)
     context = None
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+    async with aiohttp.ClientSession(
+        headers=bearer(api_key), timeout=aiohttp.ClientTimeout(total=30)
+    ) as session:
         for spec in specs:
             try:
                 async with session.get(f"{spec.url}/v1/models") as response:
@@ -220,7 +223,7 @@ async def model_limits(
 async def serve_gateway(
     processes: ClusterProcesses, specs: list[Any], options: ClusterOptions, urls: list[str],
     token: str | None, model_path: str, host: str, port: int, ledger: LeftoverLedger,
-    lending: LayerLending | None = None,
+    lending: LayerLending | None = None, api_key: str | None = None,
 ) -> None:  # fmt: skip
     import aiohttp
 
@@ -229,7 +232,7 @@ async def serve_gateway(
 
     board = LoadBoard(specs)
     count_tokens, max_token_bytes = await asyncio.to_thread(load_tokenizer, model_path)
-    limits = await model_limits(model_path, specs, max_token_bytes)
+    limits = await model_limits(model_path, specs, max_token_bytes, api_key)
     # No URLs: --kv-store none, so no client, no handoff (NoStorePlacer), /cluster store null.
     store_client = await asyncio.to_thread(KvStoreClient, urls, token) if urls else None
     ready_timeout = aiohttp.ClientTimeout(total=5)
@@ -265,7 +268,7 @@ async def serve_gateway(
     elif lending is not None:
         migration = LayerMigration.for_cluster(
             board, specs, lending.split, lending.layout, Path(model_path), lending.dtype,
-            predictive=options.migration_predictive,
+            predictive=options.migration_predictive, instance_headers=bearer(api_key),
         )  # fmt: skip
     gateway = Gateway(
         board,
@@ -279,6 +282,7 @@ async def serve_gateway(
         migration=migration,
         spill_prefill=options.spill_prefill,
         serve_on_spare_prefill=options.serve_on_spare_prefill,
+        api_key=api_key,
     )
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()

@@ -17,6 +17,7 @@ from banaserve.api.request_limits import (
     DEFAULT_MAX_JSON_DEPTH,
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_SEQUENCES,
     RequestLimits,
 )
 from banaserve.config.pipeline_options import add_pipeline_args
@@ -58,6 +59,7 @@ class EngineFlags:
     no_cpu_defaults: bool
     host: str
     port: int
+    api_key: str | None
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EngineFlags:
@@ -140,14 +142,18 @@ class ClusterOptions:
 
 
 def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
-    """``--max-request-bytes/--max-json-depth/--max-request-n`` (ValueError when out of
-    range)."""
-    if args.max_request_bytes < 1 or args.max_json_depth < 2 or args.max_request_n < 1:
+    """``--max-request-bytes/--max-json-depth/--max-request-n/--max-request-sequences``
+    (ValueError when out of range)."""
+    counts = (args.max_request_bytes, args.max_request_n, args.max_request_sequences)
+    if min(counts) < 1 or args.max_json_depth < 2:
         raise ValueError(
-            "--max-request-bytes and --max-request-n must be at least 1, --max-json-depth at "
-            "least 2"
+            "--max-request-bytes, --max-request-n and --max-request-sequences must be at least "
+            "1, --max-json-depth at least 2"
         )
-    return RequestLimits(args.max_request_bytes, args.max_json_depth, args.max_request_n)
+    return RequestLimits(
+        args.max_request_bytes, args.max_json_depth, args.max_request_n,
+        args.max_request_sequences,
+    )  # fmt: skip
 
 
 def cpu_dtype(dtype: str) -> str:
@@ -192,6 +198,13 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_N,
         help=f"Most completions one request may ask for (n, best_of; default: {DEFAULT_MAX_N}).",
+    )
+    group.add_argument(
+        "--max-request-sequences",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES,
+        help="Most sequences one request may generate: its batch of prompts times n "
+        f"(default: {DEFAULT_MAX_SEQUENCES}).",
     )
     add_pipeline_args(parser.add_argument_group("BanaServe pipeline parallelism"))
     store = parser.add_argument_group("BanaServe KV store")

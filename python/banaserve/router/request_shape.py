@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from banaserve.api.request_validation import CHAT, COMPLETIONS, GENERATE, message_texts
+from banaserve.api.value_bounds import prompts_of
 
 #: Without a tokenizer: about four characters per token for English text.
 CHARS_PER_TOKEN = 4
@@ -23,6 +24,7 @@ class RequestShape:
     stream: bool
     max_new_tokens: int | None  # None: the server's default
     prior_turns: int = 0  # a chat's assistant messages: > 0 for a conversation's next turn
+    longest_prompt_tokens: int = 0  # of a batch's prompts, each of which must fit the context
 
 
 def _text_of(value: Any) -> str:
@@ -75,14 +77,29 @@ def max_new_tokens_of(path: str, body: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _batch_lengths(path: str, body: dict[str, Any], count: Callable[[str], int]) -> list[int]:
+    """The token count of each prompt of a batch (empty for one prompt or a chat)."""
+    if path == CHAT:
+        return []
+    key = "prompt" if path == COMPLETIONS else "text"
+    if path == GENERATE and body.get("input_ids") is not None:
+        key = "input_ids"
+    prompts = prompts_of(body.get(key))
+    if len(prompts) < 2:
+        return []
+    return [len(p) if isinstance(p, list) else count(p) for p in prompts]
+
+
 def shape_request(
     path: str, body: dict[str, Any], count_tokens: Callable[[str], int] | None = None
 ) -> RequestShape:
+    count = count_tokens or (lambda text: len(text) // CHARS_PER_TOKEN)
     text = prompt_text(path, body)
+    lengths = _batch_lengths(path, body, count)
     key = "input_ids" if path == GENERATE else "prompt"
-    tokens = _token_count_of_ids(body, key)
+    tokens = sum(lengths) if lengths else _token_count_of_ids(body, key)
     if tokens is None:
-        tokens = count_tokens(text) if count_tokens else len(text) // CHARS_PER_TOKEN
+        tokens = count(text)
     return RequestShape(
         path=path,
         prompt=text,
@@ -90,4 +107,5 @@ def shape_request(
         stream=bool(body.get("stream", False)),
         max_new_tokens=max_new_tokens_of(path, body),
         prior_turns=prior_turns_of(path, body),
+        longest_prompt_tokens=max(lengths) if lengths else tokens,
     )

@@ -1,13 +1,15 @@
 """Checks on requests that SGLang leaves out or words in its own terms, in front of its app.
 
 An ASGI middleware on SGLang's HTTP server (one instance, and every instance of a cluster,
-behind the gateway's own checks):
+behind the gateway's own checks). A request with a body to any route that generates
+(:data:`banaserve.api.sglang_routes.GENERATING`, every method but GET, HEAD and OPTIONS):
 
-- a generation request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``) must be
-  ``application/json`` (415 otherwise), within ``--max-request-bytes`` (413) and
-  ``--max-json-depth`` (400), and pass :func:`~banaserve.api.request_validation.
-  validate_generation` (400): an out-of-vocabulary token id would otherwise kill the
-  scheduler, and with it the server;
+- must be ``application/json`` (415 otherwise; multipart for an audio upload), within
+  ``--max-request-bytes`` (413) and ``--max-json-depth`` (400);
+- if its body is a native, Vertex AI, OpenAI completions or chat body, must pass
+  :func:`~banaserve.api.request_validation.validate_generation` (400): an out-of-vocabulary
+  token id would otherwise kill the scheduler, and with it the server (the ids of every other
+  route are checked where SGLang tokenises: :mod:`banaserve.server.token_id_check`);
 - SGLang ignores the ``model`` field of OpenAI requests, so a client with a typo in the model
   name silently gets another model's answer: 404, as OpenAI answers.
 
@@ -29,7 +31,15 @@ from banaserve.api.request_limits import (
     check_content_type,
     parse_json_object,
 )
-from banaserve.api.request_validation import GENERATION_PATHS, validate_generation
+from banaserve.api.request_validation import CHAT, COMPLETIONS, GENERATE, validate_generation
+from banaserve.api.sglang_routes import (
+    BODILESS_METHODS,
+    FORM,
+    GENERATING,
+    JSON_ONLY,
+    VERTEX,
+    vertex_as_native,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -40,7 +50,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPENAI_MODEL_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"}
 )
-GUARDED_PATHS = OPENAI_MODEL_PATHS | frozenset(GENERATION_PATHS)
 #: SGLang's documentation calls every server "default" in its OpenAI examples.
 ALWAYS_ACCEPTED = frozenset({"default"})
 
@@ -86,17 +95,15 @@ class RequestGuard:
         return self._model
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or scope["path"] not in GUARDED_PATHS
-        ):
+        kind = GENERATING.get(scope["path"]) if scope["type"] == "http" else None
+        if kind is None or scope["method"] in BODILESS_METHODS:
             await self.app(scope, receive, send)
             return
         try:
-            messages = await self._read(scope, receive)
+            messages = await self._read(scope, receive, kind)
             body = b"".join(m.get("body", b"") for m in messages)
-            self._check(scope["path"], body)
+            if kind != FORM:
+                self._check(scope["path"], kind, body)
         except RequestRejected as exc:
             await send_rejection(send, exc)
             return
@@ -106,10 +113,11 @@ class RequestGuard:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, scope: Scope, receive: Receive) -> list[Message]:
+    async def _read(self, scope: Scope, receive: Receive, kind: str) -> list[Message]:
         """The body's messages, refused as soon as the headers or the bytes break a limit."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        check_content_type(headers.get("content-type"))
+        if kind != FORM:
+            check_content_type(headers.get("content-type"))
         if headers.get("content-length", "").isdigit():
             check_body_size(int(headers["content-length"]), self.limits)
         messages: list[Message] = []
@@ -125,7 +133,7 @@ class RequestGuard:
                 break
         return messages
 
-    def _check(self, path: str, raw: bytes) -> None:
+    def _check(self, path: str, kind: str, raw: bytes) -> None:
         payload = parse_json_object(raw, self.limits)
         model = payload.get("model")
         if path in OPENAI_MODEL_PATHS and isinstance(model, str) and not self.accepts(model):
@@ -133,8 +141,12 @@ class RequestGuard:
             raise RequestRejected(
                 404, f"The model '{model}' does not exist. This server serves: {served}.", "model"
             )
-        if path in GENERATION_PATHS and self.model is not None:
-            validate_generation(path, payload, self.model, self.limits)
+        if kind == JSON_ONLY or self.model is None:
+            return
+        if kind == VERTEX:
+            validate_generation(GENERATE, vertex_as_native(payload), self.model, self.limits)
+        elif kind in (GENERATE, COMPLETIONS, CHAT):
+            validate_generation(kind, payload, self.model, self.limits)
 
 
 async def send_rejection(send: Send, rejection: RequestRejected) -> None:
