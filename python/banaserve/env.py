@@ -26,3 +26,6 @@ SERVER_PATH_ENV = "BANASERVE_PROBE_SERVER_PATH"
 LAYER_PARTITION_ENV = "SGLANG_PP_LAYER_PARTITION"
 #: SGLang's CPU thread binding, one core list per pipeline rank ("0|1").
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+#: How often SGLang's tokenizer manager looks whether a waiting request's client has left
+#: (seconds; it then aborts the request).
+REQUEST_WAIT_ENV = "SGLANG_REQUEST_STATE_WAIT_TIMEOUT"

@@ -35,7 +35,7 @@ from banaserve.config.pipeline_options import (
     pipeline_env,
 )
 from banaserve.config.store_options import KV_STORE_EMBEDDED, KvStoreOptions
-from banaserve.env import MOVABLE_ENV
+from banaserve.env import MOVABLE_ENV, REQUEST_WAIT_ENV
 from banaserve.migration.boundary_control import split_dir_for
 from banaserve.platform import cpu_platform_wanted, install
 from banaserve.router.loads_report import PUBLISH_EVERY_DECODE_STEPS
@@ -51,6 +51,12 @@ install()
 logger = logging.getLogger("banaserve.launch_server")
 
 KV_STORE_PAGE_SIZE = 16
+
+
+#: A request still waiting in an instance's queue whose client has left is aborted within this
+#: many seconds (SGLang's default, 4, would let it take a batch slot meanwhile); a running one
+#: is aborted at its next step whatever this says.
+CLIENT_GONE_CHECK_S = 1
 
 
 def plan_launch(argv: list[str]) -> LaunchConfig:
@@ -141,6 +147,8 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
             env = pipeline_plan(args, Path(model_path), notes, serves=cluster is None)
     except ValueError as exc:
         parser.error(str(exc))
+    if REQUEST_WAIT_ENV not in os.environ:
+        env[REQUEST_WAIT_ENV] = str(CLIENT_GONE_CHECK_S)
     return LaunchConfig(
         sglang_argv=sglang_argv,
         served_names=[served_name, model_path],

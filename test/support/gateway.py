@@ -44,7 +44,7 @@ async def gateway_for(
         board, make_policy("round_robin", PREFILL), make_policy("round_robin", DECODE),
         placer=Placer(handoff_min_tokens=10), **options,
     )  # fmt: skip
-    runner = web.AppRunner(gateway.app())
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True)  # as cluster/run.py
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -17,7 +17,13 @@ from banaserve.config.pipeline_options import (
     pipeline_env,
     threads_bind,
 )
-from banaserve.env import LAYER_PARTITION_ENV, MOVABLE_ENV, SPLIT_DIR_ENV, THREADS_BIND_ENV
+from banaserve.env import (
+    LAYER_PARTITION_ENV,
+    MOVABLE_ENV,
+    REQUEST_WAIT_ENV,
+    SPLIT_DIR_ENV,
+    THREADS_BIND_ENV,
+)
 from banaserve.launch_server import plan_launch
 from banaserve.platform import pp_cpu
 
@@ -105,6 +111,7 @@ def test_the_launcher_plans_the_split(
     monkeypatch.setenv("BANASERVE_PLATFORM", "cpu")
     monkeypatch.delenv(LAYER_PARTITION_ENV, raising=False)
     monkeypatch.delenv(THREADS_BIND_ENV, raising=False)
+    monkeypatch.setenv(REQUEST_WAIT_ENV, "4")  # the user's own: kept, not added to the plan
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     model = config_dir(
         tmp_path,
@@ -123,6 +130,9 @@ def test_the_launcher_plans_the_split(
     assert plan_launch([*cluster, "--pp-layer-boundary", "3"]).env == {}
     with pytest.raises(SystemExit):
         plan_launch([*cluster, "--pp-layer-boundary", "9"])
+    # Unset, a server looks every second whether a waiting request's client left.
+    monkeypatch.delenv(REQUEST_WAIT_ENV)
+    assert plan_launch(["--model-path", str(model)]).env == {REQUEST_WAIT_ENV: "1"}
     assert "must be between 1 and 7" in capsys.readouterr().err
     # A movable boundary (--pp-min-boundary): the stages' variables and the route's note.
     movable = plan_launch([*base, "--pp-layer-boundary", "6", "--pp-min-boundary", "2"])

@@ -344,7 +344,10 @@ class Gateway:
             out = web.StreamResponse(status=upstream.status, headers={
                 "Content-Type": content_type, "Cache-Control": "no-cache",
             })  # fmt: skip
-            await out.prepare(request)
+            try:
+                await out.prepare(request)
+            except ConnectionError:
+                return out  # the client left before its first byte: its failure, not the instance's
             failure: BaseException | None = None
             pending: Callable[[], None] | None = first_token
             tail = StreamTail()

@@ -284,7 +284,9 @@ async def serve_gateway(
         serve_on_spare_prefill=options.serve_on_spare_prefill,
         api_key=api_key,
     )
-    runner = web.AppRunner(gateway.app(), access_log=None)
+    # A client that leaves cancels its handler: its upstream connection closes, and SGLang
+    # aborts the request (a non-streaming one would otherwise generate to its end, for no one).
+    runner = web.AppRunner(gateway.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
