@@ -150,3 +150,36 @@ def test_a_stream_reset_early_is_the_clients_failure_not_the_instances(cluster: 
     answer = call(cluster, "POST", "/generate", KEY,
                   json={"text": "Hello", "sampling_params": GREEDY})  # fmt: skip
     assert answer.status_code == 200, answer.text
+
+
+def test_a_stuck_instance_leaves_routing_and_its_request_is_served_elsewhere(
+    cluster: Cluster, server: Server
+) -> None:
+    """decode-0's scheduler stopped (SIGSTOP) while its HTTP server still answers load polls:
+    a request sent to it is retried on the other instance once decode-0 has held it for
+    ``--stall-timeout`` without progress, and decode-0 returns once it moves again."""
+    import psutil
+
+    instance = psutil.Process(state(cluster)["pids"]["decode-0"])
+    scheduler = next(
+        p for p in instance.children(recursive=True) if "scheduler" in " ".join(p.cmdline())
+    )
+    body = {"text": "A quiet river", "sampling_params": {**GREEDY, "max_new_tokens": 24}}
+    expected = requests.post(f"{server.url}/generate", json=body, timeout=300).json()
+    scheduler.suspend()
+    try:
+        answer = call(cluster, "POST", "/generate", KEY, json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["output_ids"] == expected["output_ids"]
+        decode = decode_0(cluster)
+        assert decode["stalls"] == 1 and not decode["load"]["healthy"]
+    finally:
+        scheduler.resume()
+    deadline = time.monotonic() + STATE_TIMEOUT
+    while not decode_0(cluster)["load"]["healthy"]:
+        assert time.monotonic() < deadline, "decode-0 never came back after SIGCONT"
+        time.sleep(0.5)
+
+
+def decode_0(cluster: Cluster) -> dict:
+    return next(i for i in state(cluster)["instances"] if i["name"] == "decode-0")

@@ -76,6 +76,7 @@ def test_a_real_answer_reads_as_the_instances_load() -> None:
         kv_capacity_tokens=6144,
         gen_tokens_per_s=0.0,
         updated_at=7.0,
+        published_at=1796490902.9980593,  # when the scheduler published it, its clock
     )
 
 
@@ -83,12 +84,14 @@ def test_queues_and_dp_ranks_add_up() -> None:
     rank0 = copy.deepcopy(BUSY["loads"][0])
     rank0.update(num_waiting_reqs=3, num_waiting_uncached_tokens=900, gen_throughput=40.5)
     rank0["queues"]["grammar"] = 2  # SGLang counts grammar waits apart from the waiting queue
-    rank1 = dict(rank0, dp_rank=1, num_running_reqs=5, num_used_tokens=100, queues={})
+    rank1 = dict(rank0, dp_rank=1, num_running_reqs=5, num_used_tokens=100, queues={},
+                 timestamp=rank0["timestamp"] + 0.5)  # fmt: skip
     load = load_from_loads("http://p0", "prefill", {"loads": [rank0, rank1]}, now=1.0)
     assert (load.running_reqs, load.queued_reqs) == (17, 3 + 2 + 3)
     assert load.queued_prefill_tokens == 1800
     assert (load.kv_used_tokens, load.kv_capacity_tokens) == (464, 2 * 6144)
     assert load.gen_tokens_per_s == pytest.approx(81.0)
+    assert load.published_at == rank1["timestamp"]  # the latest rank's
 
 
 def test_missing_fields_read_as_zero() -> None:

@@ -208,6 +208,67 @@ def test_board_stamps_records_with_its_clock_and_takes_failures_out_of_routing()
     assert board.loads["http://d0"].healthy and board.loads["http://d0"].updated_at == 300.0
 
 
+def snapshot(published: float, running: int = 0) -> dict:
+    return {"loads": [{"timestamp": published, "num_running_reqs": running}]}
+
+
+def test_an_instance_holding_requests_without_progress_leaves_routing_until_it_moves() -> None:
+    """Issue 31: a scheduler stopped with SIGSTOP kept answering /v1/loads from shared memory,
+    so it stayed in routing and every request sent to it hung."""
+    clock = Clock()
+    board = Board(SPECS, clock, stall_after_s=10.0)
+    d0 = SPECS[2]
+    # Idle for a long time with the same snapshot: not stalled, it has nothing to do.
+    for t in range(0, 60, 5):
+        clock.now = 100.0 + t
+        board.record_poll(d0, snapshot(1.0))
+    assert not board.is_stalled(d0.url) and board.healthy("decode")
+    # A request arrives and the snapshot moves on at every step: progress.
+    board.begin(d0.url, 0)
+    for t in range(60, 80, 5):
+        clock.now = 100.0 + t
+        board.record_poll(d0, snapshot(float(t), running=1))
+    assert board.healthy("decode")
+    # The scheduler stops: the snapshot stays put while it holds the request.
+    clock.now = 184.0
+    board.record_poll(d0, snapshot(75.0, running=1))
+    assert board.healthy("decode")  # 9 s without progress: a long step, maybe
+    gone = []
+    board._left = gone.append  # type: ignore[method-assign]
+    clock.now = 185.0
+    board.record_poll(d0, snapshot(75.0, running=1))
+    assert board.is_stalled(d0.url) and board.healthy("decode") == [] and gone == [d0.url]
+    assert board.stats[d0.url].stalls == 1
+    # Its requests retried elsewhere, it holds none by the router's count; the frozen
+    # snapshot still says one: it stays out, and polls count it once.
+    board.end(d0.url, 0)
+    for t in (200.0, 260.0):
+        clock.now = t
+        board.record_poll(d0, snapshot(75.0))
+        assert board.healthy("decode") == [] and board.stats[d0.url].stalls == 1
+    # A probe got a token through: back at the next poll, and not stalled again at once.
+    board.unstalled(d0.url)
+    clock.now = 261.0
+    board.record_poll(d0, snapshot(75.0, running=1))
+    assert board.healthy("decode") and not board.is_stalled(d0.url)
+    # A new snapshot brings a stalled instance back too.
+    clock.now = 300.0
+    board.record_poll(d0, snapshot(75.0, running=1))
+    assert board.is_stalled(d0.url)
+    board.record_poll(d0, snapshot(76.0, running=1))
+    assert board.healthy("decode") and board.stats[d0.url].stalls == 2
+
+
+def test_stall_detection_is_off_at_zero_and_without_timestamps() -> None:
+    for stall_after_s, answer in [(0.0, snapshot(1.0, running=1)), (10.0, LOADS)]:
+        clock = Clock()
+        board = Board(SPECS, clock, stall_after_s=stall_after_s)
+        for t in range(0, 100, 5):
+            clock.now = 100.0 + t
+            board.record_poll(SPECS[2], answer)
+        assert board.healthy("decode")
+
+
 def test_plan_and_reset_go_through_the_placer() -> None:
     router, _, _ = make_router()
     prompt = "You are a helpful assistant. " * 100

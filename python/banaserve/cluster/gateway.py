@@ -447,7 +447,7 @@ class Gateway:
                 "name": spec.name, "role": str(self.board.role_of(spec.url)),
                 "home_role": spec.role, "url": spec.url,
                 "cores": list(spec.cores), "args": list(spec.args), "load": load.to_json(),
-                "routed": stats.routed, "failed": stats.failed,
+                "routed": stats.routed, "failed": stats.failed, "stalls": stats.stalls,
                 "inflight": self.board.inflight_requests(spec.url),
                 "prompt_tokens": stats.prompt_tokens,
                 "computed_prompt_tokens": stats.computed_prompt_tokens,

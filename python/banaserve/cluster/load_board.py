@@ -8,17 +8,22 @@ The accounting itself (load records, in-flight counts, when an instance leaves r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
 import aiohttp
 
 from banaserve.cluster.topology import InstanceSpec
-from banaserve.router.board import Board
+from banaserve.router.board import STALL_AFTER_S, Board
 from banaserve.router.loads_report import LOADS_PATH
 
 POLL_INTERVAL_S = 0.5
 POLL_TIMEOUT_S = 2.0
+#: SGLang's ``/health_generate`` runs one token through the scheduler (it answers at once if
+#: the scheduler produced output lately); it gives up on its own after 20 s.
+PROBE_PATH = "/health_generate"
+PROBE_TIMEOUT_S = 30.0
 
 
 class LoadBoard(Board):
@@ -26,9 +31,10 @@ class LoadBoard(Board):
     instance leaves routing. Used from the gateway's event loop only, like the board."""
 
     def __init__(
-        self, specs: Sequence[InstanceSpec], clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        super().__init__(specs, clock)
+        self, specs: Sequence[InstanceSpec], clock: Callable[[], float] = time.monotonic,
+        stall_after_s: float = STALL_AFTER_S,
+    ) -> None:  # fmt: skip
+        super().__init__(specs, clock, stall_after_s)
         self._gone: dict[str, asyncio.Event] = {}
 
     def gone_event(self, url: str) -> asyncio.Event:
@@ -46,8 +52,17 @@ class LoadBoard(Board):
 
 
 async def poll_forever(board: Board, session: aiohttp.ClientSession) -> None:
-    """Poll every instance's ``/v1/loads`` until cancelled."""
+    """Poll every instance's ``/v1/loads`` until cancelled; probe each stalled one (one
+    probe at a time per instance, off the polling round) until a token gets through."""
     timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)
+    probing: dict[str, asyncio.Task[None]] = {}
+
+    async def probe(url: str) -> None:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            probe_timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            async with session.get(f"{url}{PROBE_PATH}", timeout=probe_timeout) as answer:
+                if answer.status == 200:
+                    board.unstalled(url)
 
     async def poll(spec: InstanceSpec) -> None:
         try:
@@ -61,6 +76,14 @@ async def poll_forever(board: Board, session: aiohttp.ClientSession) -> None:
             return
         board.record_poll(spec, answer)
 
-    while True:
-        await asyncio.gather(*(poll(spec) for spec in board.specs))
-        await asyncio.sleep(POLL_INTERVAL_S)
+    try:
+        while True:
+            await asyncio.gather(*(poll(spec) for spec in board.specs))
+            for spec in board.specs:
+                running = probing.get(spec.url)
+                if board.is_stalled(spec.url) and (running is None or running.done()):
+                    probing[spec.url] = asyncio.create_task(probe(spec.url))
+            await asyncio.sleep(POLL_INTERVAL_S)
+    finally:
+        for task in probing.values():
+            task.cancel()

@@ -230,7 +230,7 @@ async def serve_gateway(
     from banaserve.kvstore.client import KvStoreClient
     from banaserve.router.policies import make_policy
 
-    board = LoadBoard(specs)
+    board = LoadBoard(specs, stall_after_s=options.stall_timeout_s)
     count_tokens, max_token_bytes = await asyncio.to_thread(load_tokenizer, model_path)
     limits = await model_limits(model_path, specs, max_token_bytes, api_key)
     # No URLs: --kv-store none, so no client, no handoff (NoStorePlacer), /cluster store null.

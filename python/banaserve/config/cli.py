@@ -24,6 +24,7 @@ from banaserve.config.pipeline_options import add_pipeline_args
 from banaserve.config.restart_policy import RestartPolicy
 from banaserve.config.store_options import KvStoreOptions
 from banaserve.migration import MIGRATION_MODES
+from banaserve.router.board import STALL_AFTER_S
 from banaserve.router.placement import HANDOFF_MIN_TOKENS, IN_PLACE_MAX_NEW_TOKENS
 from banaserve.router.policies import POLICY_NAMES
 from banaserve.router.spare_prefill import SERVE_ON_SPARE_PREFILL
@@ -102,6 +103,7 @@ class ClusterOptions:
     spill_prefill: bool
     migration_predictive: bool
     serve_on_spare_prefill: bool
+    stall_timeout_s: float
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
@@ -118,6 +120,8 @@ class ClusterOptions:
             raise ValueError("--in-place-max-new-tokens must not be negative")
         if args.max_restarts_per_minute < 1:
             raise ValueError("--max-restarts-per-minute must be at least 1")
+        if not 0 <= args.stall_timeout < float("inf"):
+            raise ValueError("--stall-timeout must be a number of seconds, 0 or more")
         if args.migration_predictive and args.migration != "layer":
             raise ValueError("--migration-predictive steers the layer controller: it needs "
                              f"--migration layer (got --migration {args.migration})")  # fmt: skip
@@ -132,6 +136,7 @@ class ClusterOptions:
             request_limits=request_limits_from_args(args),
             restart_policy=RestartPolicy(max_per_minute=args.max_restarts_per_minute),
             migration=args.migration,
+            stall_timeout_s=args.stall_timeout,
             spill_prefill=args.spill_prefill == "on",
             migration_predictive=args.migration_predictive,
             # Under layer migration the controller lends the prefill cores, layer by layer.
@@ -279,6 +284,15 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         default=RestartPolicy().max_per_minute,
         help="Restarts of one dead instance (or store) in any minute, at most; they back off "
         f"exponentially before that (default: {RestartPolicy().max_per_minute}).",
+    )
+    cluster.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=STALL_AFTER_S,
+        help="Seconds an instance may hold requests without its scheduler publishing any "
+        "progress before it leaves routing (alive but stuck: stopped, deadlocked); its "
+        "requests are retried elsewhere while nothing was streamed, and it returns once a "
+        f"health probe gets through (default: {STALL_AFTER_S:g}; 0: never).",
     )
     cluster.add_argument(
         "--migration",

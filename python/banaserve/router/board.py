@@ -8,6 +8,15 @@ reads it (reports lag behind a burst by up to one poll; see
 routing until :meth:`Board.revive`; one whose polls failed :data:`FAILURES_BEFORE_DOWN` times
 in a row leaves routing until a later good poll.
 
+An instance that answers its polls but whose scheduler stopped making progress (stopped with
+SIGSTOP, deadlocked) would keep every request sent to it waiting: SGLang answers ``/v1/loads``
+from a snapshot in shared memory, without the scheduler. The scheduler publishes a new
+snapshot after every prefill batch and decode step (``published_at`` changes), so one that
+holds requests, by its own report or the router's count, and has published nothing for
+``stall_after_s`` has stalled: it leaves routing, and its requests waiting on it are woken
+(to be retried elsewhere). It stays out until something proves progress: a new snapshot, or
+a health probe that got a token through it (:meth:`Board.unstalled`, the poller's).
+
 An instance's role starts as its spec's and is a routing label: :meth:`Board.set_role` moves a
 whole instance to the other role (the migration controller's coarsest move); its requests in
 flight finish where they are.
@@ -30,6 +39,11 @@ logger = logging.getLogger("banaserve.router")
 
 #: Failed polls in a row after which an instance leaves routing.
 FAILURES_BEFORE_DOWN = 3
+#: Seconds an instance may hold requests without publishing progress before it counts as
+#: stalled (the ``--stall-timeout`` default). SGLang publishes after every prefill batch and
+#: decode step; on this machine's CPU engine the longest step seen is a ~4k-token prefill
+#: chunk of SmolLM2-135M, about 2 s, so 10 s leaves room for slower models and cores.
+STALL_AFTER_S = 10.0
 
 
 class Member(Protocol):
@@ -57,6 +71,7 @@ class InstanceStats:
 
     routed: int = 0
     failed: int = 0
+    stalls: int = 0  # times it left routing for holding requests without progress
     prompt_tokens: int = 0
     computed_prompt_tokens: int = 0  # prompt tokens not served from any cache
 
@@ -72,9 +87,13 @@ class Board:
     through :meth:`_left` and :meth:`_returned` (the gateway wakes the requests waiting on it).
     """
 
-    def __init__(self, specs: Sequence[Member], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, specs: Sequence[Member], clock: Callable[[], float] = time.monotonic,
+                 stall_after_s: float = STALL_AFTER_S):  # fmt: skip
         self.specs = specs
         self.clock = clock
+        self.stall_after_s = stall_after_s  # 0: never
+        self._progress: dict[str, tuple[float, float]] = {}  # url -> (published_at, since)
+        self._stalled: set[str] = set()
         self.stats: dict[str, InstanceStats] = defaultdict(InstanceStats)
         self._inflight: dict[str, _Inflight] = defaultdict(_Inflight)
         self._failures: dict[str, int] = defaultdict(int)
@@ -176,6 +195,8 @@ class Board:
         refreshes the load record)."""
         self._dead.discard(url)
         self._failures[url] = 0
+        self._stalled.discard(url)
+        self._progress.pop(url, None)
         self._returned(url)
         self.loads[url] = replace(self.loads[url], healthy=True, updated_at=self.clock())
 
@@ -197,11 +218,48 @@ class Board:
                 logger.warning("%s leaves routing: %s", spec.name, why or "no load report")
                 self._set_unhealthy(url)
             return
+        self._failures[url] = 0
+        if self._stalls(url, load):
+            if self.loads[url].healthy:
+                self.stats[url].stalls += 1
+                logger.warning(
+                    "%s leaves routing: its scheduler published nothing for %.0f s while "
+                    "holding %d requests", spec.name, self.stall_after_s,
+                    max(load.batch_reqs, self._inflight[url].requests),
+                )  # fmt: skip
+                self._stalled.add(url)
+                self._set_unhealthy(url)
+            self.loads[url] = replace(load, healthy=False)
+            return
         if not self.loads[url].healthy:
             logger.info("%s is back in routing", spec.name)
             self._returned(url)
-        self._failures[url] = 0
         self.loads[url] = load
+
+    def _stalls(self, url: str, load: InstanceLoad) -> bool:
+        """Whether ``url`` has stalled or stays stalled, given its new ``load``."""
+        if self.stall_after_s <= 0 or load.published_at <= 0:
+            return False  # off, or an SGLang that does not say when it published
+        now = self.clock()
+        published, since = self._progress.get(url, (load.published_at, now))
+        busy = load.batch_reqs > 0 or self._inflight[url].requests > 0
+        if load.published_at != published or (not busy and url not in self._stalled):
+            self._progress[url] = (load.published_at, now)
+            self._stalled.discard(url)
+            return False
+        self._progress[url] = (published, since)
+        return url in self._stalled or now - since >= self.stall_after_s
+
+    def is_stalled(self, url: str) -> bool:
+        """Out of routing for holding requests without progress (see the module's text)."""
+        return url in self._stalled
+
+    def unstalled(self, url: str) -> None:
+        """A probe got through ``url``'s scheduler: back in routing at its next good poll."""
+        if url in self._stalled:
+            self._stalled.discard(url)
+            published, _ = self._progress.get(url, (0.0, 0.0))
+            self._progress[url] = (published, self.clock())
 
     def _set_unhealthy(self, url: str) -> None:
         self.loads[url] = replace(self.loads[url], healthy=False)

@@ -46,6 +46,9 @@ class InstanceLoad:
       this one's steps as much as its own does.
     - ``updated_at`` is the producer's ``time.monotonic()`` when the numbers were read: it is
       comparable only within the producing process.
+    - ``published_at`` is when the instance's scheduler last published its numbers, on the
+      instance's own clock (0.0 when it does not say): only a change of it means anything
+      (the scheduler is making progress), never its value against another clock.
 
     Construction validates these and raises ``ValueError``.
     """
@@ -61,6 +64,7 @@ class InstanceLoad:
     gen_tokens_per_s: float = 0.0
     updated_at: float = 0.0
     core_peer_reqs: int = 0
+    published_at: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -18,6 +18,8 @@ other is ignored):
 - ``num_waiting_uncached_tokens``: prompt tokens still to prefill, net of cache hits.
 - ``num_used_tokens``: KV slots held by live requests; ``max_total_num_tokens``: the KV pool.
 - ``gen_throughput``: decode tokens/s.
+- ``timestamp``: when the scheduler published the snapshot (the latest over DP ranks), so
+  the board can tell a scheduler that stopped making progress (:mod:`banaserve.router.board`).
 
 DP ranks each have their own requests and KV pool, so counts are summed and throughputs too.
 A missing field reads as 0; a negative, non-finite or non-numeric one makes the answer invalid
@@ -68,9 +70,11 @@ def load_from_loads(
     if not isinstance(answer, Mapping) or not isinstance(answer.get("loads"), list):
         raise ValueError("a /v1/loads answer is an object with a 'loads' list")
     totals = dict.fromkeys((*_COUNTS, "grammar", "gen_throughput"), 0.0)
+    published = 0.0
     for snapshot in answer["loads"]:
         if not isinstance(snapshot, Mapping):
             raise ValueError(f"a load snapshot is an object, got {snapshot!r}")
+        published = max(published, _number(snapshot, "timestamp"))
         for name in (*_COUNTS, "gen_throughput"):
             totals[name] += _number(snapshot, name)
         queues = snapshot.get("queues") or {}
@@ -88,4 +92,5 @@ def load_from_loads(
         kv_capacity_tokens=int(totals["max_total_num_tokens"]),
         gen_tokens_per_s=totals["gen_throughput"],
         updated_at=now,
+        published_at=published,
     )
