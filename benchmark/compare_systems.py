@@ -160,11 +160,18 @@ class Running:
         return self.prefill_urls + self.decode_urls
 
 
+#: The admin token of the clusters the benchmarks start (for /clear_caches, /migration and
+#: the full /cluster); made per run, never written down.
+BENCH_ADMIN_TOKEN = os.urandom(16).hex()
+
+
 def post(url: str, body: dict | None = None, timeout: float = 120.0) -> bytes:
-    """POST ``body`` as JSON (no body: an empty one); the answer's bytes."""
-    data, headers = b"", {}
+    """POST ``body`` as JSON (no body: an empty one), as the clusters' admin (SGLang
+    baselines ignore the header); the answer's bytes."""
+    data, headers = b"", {"Authorization": f"Bearer {BENCH_ADMIN_TOKEN}"}
     if body is not None:
-        data, headers = json.dumps(body).encode(), {"Content-Type": "application/json"}
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
     request = urllib.request.Request(url, data=data, method="POST", headers=headers)
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read()
@@ -206,9 +213,10 @@ def banaserve_env() -> dict[str, str]:
     """The environment of BanaServe's processes: the installed package where it has its built
     extension (``--kv-store-mode linker`` needs ``banaserve._C``), else this source tree."""
     probe = [sys.executable, "-c", "import banaserve._C"]
+    env = dict(os.environ, BANASERVE_ADMIN_TOKEN=BENCH_ADMIN_TOKEN)
     if subprocess.run(probe, capture_output=True, cwd="/").returncode == 0:
-        return dict(os.environ)
-    return dict(os.environ, PYTHONPATH=str(REPO / "python"))
+        return env
+    return dict(env, PYTHONPATH=str(REPO / "python"))
 
 
 def banaserve_argv(spec: SystemSpec, model: str, budget: Budget, port: int, log_dir: Path,

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from banaserve.env import CRASH_ON_TEXT_ENV  # noqa: E402
 from banaserve.utils.processes import ManagedProcess, free_port  # noqa: E402
-from compare_systems import banaserve_env  # noqa: E402
+from compare_systems import BENCH_ADMIN_TOKEN, banaserve_env  # noqa: E402
 
 PILL = "RELIABILITY-POISON-PILL"
 START_TIMEOUT_S = 900.0
@@ -81,6 +81,10 @@ class Tally:
 
 def prompt(i: int, words: int = 60) -> str:
     return " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words)) + f" #{i}"
+
+
+#: The clusters' admin (banaserve_env gives them this token): /cluster shows the pids to it.
+ADMIN = {"Authorization": f"Bearer {BENCH_ADMIN_TOKEN}"}
 
 
 class Cluster:
@@ -112,7 +116,7 @@ class Cluster:
         self.launcher.wait_http_ok(f"{self.url}/health", START_TIMEOUT_S, progress_every=30)
 
     def state(self) -> dict:
-        return requests.get(f"{self.url}/cluster", timeout=60).json()
+        return requests.get(f"{self.url}/cluster", headers=ADMIN, timeout=60).json()
 
     def deaths(self) -> int:
         return sum(s["deaths"] for s in self.state()["supervisor"].values())

@@ -29,3 +29,5 @@ THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 #: How often SGLang's tokenizer manager looks whether a waiting request's client has left
 #: (seconds; it then aborts the request).
 REQUEST_WAIT_ENV = "SGLANG_REQUEST_STATE_WAIT_TIMEOUT"
+#: The admin token of a cluster's gateway and instances (``--admin-api-key`` wins over it).
+ADMIN_TOKEN_ENV = "BANASERVE_ADMIN_TOKEN"

@@ -35,7 +35,7 @@ from banaserve.config.pipeline_options import (
     pipeline_env,
 )
 from banaserve.config.store_options import KV_STORE_EMBEDDED, KvStoreOptions
-from banaserve.env import MOVABLE_ENV, REQUEST_WAIT_ENV
+from banaserve.env import ADMIN_TOKEN_ENV, MOVABLE_ENV, REQUEST_WAIT_ENV
 from banaserve.migration.boundary_control import split_dir_for
 from banaserve.platform import cpu_platform_wanted, install
 from banaserve.router.loads_report import PUBLISH_EVERY_DECODE_STEPS
@@ -273,6 +273,10 @@ def main(argv: list[str] | None = None) -> None:
         if plan.kv_store is not None:
             store_process, store_args = attach_kv_store(plan.kv_store)
             sglang_argv = sglang_argv + store_args
+        admin_token = os.environ.get(ADMIN_TOKEN_ENV)
+        if admin_token and not any(a.startswith("--admin-api-key") for a in sglang_argv):
+            # A cluster's instance: the launcher's admin token guards its admin routes too.
+            sglang_argv = [*sglang_argv, "--admin-api-key", admin_token]
         server_args = prepare_server_args(sglang_argv)
         add_request_checks(plan.served_names, plan.request_limits)
         if MOVABLE_ENV in plan.env:

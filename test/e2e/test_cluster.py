@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from banaserve.launch_server import KV_STORE_PAGE_SIZE as PAGE
 from banaserve.utils.processes import ManagedProcess, free_port, tail
 from support.cluster import (
+    ADMIN,
     GREEDY,
     MAX_TOKENS,
     Cluster,
@@ -223,7 +224,7 @@ def test_clear_caches_leaves_every_cache_cold(cluster: Cluster) -> None:
     prompt = long_prompt(seed=404)
     first = generate(cluster.url, prompt)
     assert settled_store_pages(cluster) > 0
-    answer = requests.post(f"{cluster.url}/clear_caches", timeout=120)
+    answer = requests.post(f"{cluster.url}/clear_caches", headers=ADMIN, timeout=120)
     assert answer.status_code == 200, answer.text
     counts = answer.json()
     assert counts["instances_flushed"] == 3, counts

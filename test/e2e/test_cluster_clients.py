@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from support.cluster import Cluster, long_prompt, running_cluster
+from support.cluster import ADMIN, Cluster, long_prompt, running_cluster
 from support.servers import STATE_TIMEOUT, Server
 
 KEY = "test-key-31"
@@ -49,7 +49,7 @@ def call(cluster: Cluster, method: str, path: str, key: str | None, **kwargs: ob
 
 
 def state(cluster: Cluster) -> dict:
-    answer = call(cluster, "GET", "/cluster", KEY)
+    answer = requests.get(f"{cluster.url}/cluster", headers=ADMIN, timeout=30)
     assert answer.status_code == 200, answer.text
     return answer.json()
 
@@ -57,12 +57,19 @@ def state(cluster: Cluster) -> dict:
 def test_a_request_without_the_key_is_refused(cluster: Cluster) -> None:
     body = {"text": "Hello", "sampling_params": GREEDY}
     for key in (None, "wrong-key"):
-        for method, path, extra in [("POST", "/generate", {"json": body}),
-                                    ("GET", "/v1/models", {}), ("GET", "/cluster", {}),
-                                    ("POST", "/flush_cache", {})]:  # fmt: skip
+        calls = [("POST", "/generate", {"json": body}), ("GET", "/v1/models", {}),
+                 ("GET", "/cluster", {})]  # fmt: skip
+        for method, path, extra in calls:
             answer = call(cluster, method, path, key, **extra)
             assert answer.status_code == 401, (key, path, answer.text)
             assert answer.json() == {"error": "Unauthorized"}
+    # An admin call needs the admin token, the API key is not enough.
+    for key in (None, KEY):
+        answer = call(cluster, "POST", "/flush_cache", key)
+        assert answer.status_code == 401 and "admin token" in answer.text
+    # The API key shows /cluster without what only the operator may see.
+    shown = call(cluster, "GET", "/cluster", KEY).json()
+    assert "pids" not in shown and "args" not in shown["instances"][0]
     # Probes and scrapers need none, as on one SGLang server.
     assert call(cluster, "GET", "/health", None).status_code == 200
     assert call(cluster, "GET", "/metrics", None).status_code == 200

@@ -22,6 +22,7 @@ import pytest
 import requests
 
 from support.cluster import (
+    ADMIN,
     Cluster,
     generate,
     long_prompt,
@@ -48,7 +49,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     with running_cluster(tiny_model, logs, "--migration", "layer") as running:
         # Before the controller's first move can be warranted (5 s): the tests move by hand.
         frozen = {"controller": "off", "reset": True}
-        answer = requests.post(f"{running.url}/migration", json=frozen, timeout=30)
+        answer = requests.post(f"{running.url}/migration", json=frozen, headers=ADMIN, timeout=30)
         assert answer.status_code == 200, answer.text
         yield running
 
@@ -92,7 +93,7 @@ def test_a_moved_boundary_still_matches_a_plain_instance(cluster: Cluster, serve
     expected = generate(server.url, prompt, sampling_params=LONG_OUT)["output_ids"]
     for boundary in (1, 2, 1):
         move = {"instance": "decode-0", "boundary": boundary}
-        answer = requests.post(f"{cluster.url}/migration", json=move, timeout=30)
+        answer = requests.post(f"{cluster.url}/migration", json=move, headers=ADMIN, timeout=30)
         assert answer.status_code == 200, answer.text
         assert generate(cluster.url, prompt, sampling_params=LONG_OUT)["output_ids"] == expected
         state = requests.get(f"{cluster.url}/migration", timeout=30).json()
@@ -145,7 +146,7 @@ def test_a_killed_stage_ends_its_requests_clearly_and_the_instance_comes_back_wh
     state = requests.get(f"{cluster.url}/migration", timeout=30).json()
     assert state["boundaries"] == {"decode-0": 2} and state["stage_cores"] == {"decode-0": [[0]]}
     assert state["history"][-1]["reason"].startswith("the instance died")
-    refused = requests.post(f"{cluster.url}/migration",
+    refused = requests.post(f"{cluster.url}/migration", headers=ADMIN,
                             json={"instance": "decode-0", "boundary": 1}, timeout=30)  # fmt: skip
     assert refused.status_code == 409 and "does not run as two stages" in refused.text
     before = decode["routed"]

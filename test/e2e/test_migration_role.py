@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import requests
 
-from support.cluster import Cluster, generate, long_prompt, running_cluster, streamed_generate
+from support.cluster import (
+    ADMIN,
+    Cluster,
+    generate,
+    long_prompt,
+    running_cluster,
+    streamed_generate,
+)
 from support.servers import Server
 
 #: More than --in-place-max-new-tokens (16): served on a decode-role instance only.
@@ -34,7 +41,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def migrate(cluster: Cluster, body: dict) -> requests.Response:
-    return requests.post(f"{cluster.url}/migration", json=body, timeout=30)
+    return requests.post(f"{cluster.url}/migration", json=body, headers=ADMIN, timeout=30)
 
 
 def routed(cluster: Cluster) -> dict[str, int]:

@@ -15,9 +15,13 @@ from pathlib import Path
 
 import requests
 
+from banaserve.env import ADMIN_TOKEN_ENV
 from banaserve.utils.processes import ManagedProcess, free_port
 from support.servers import SERVER_START_TIMEOUT, TEST_KV_TOKENS
 
+#: The admin token of the clusters the tests start (BANASERVE_ADMIN_TOKEN).
+ADMIN_TOKEN = "e2e-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 MAX_TOKENS = 8
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_TOKENS}
 VOCAB = ["river", "stone", "light", "quiet", "market", "window", "garden", "paper",
@@ -32,7 +36,7 @@ class Cluster:
     served_model_name: str
 
     def state(self) -> dict:
-        answer = requests.get(f"{self.url}/cluster", timeout=30)
+        answer = requests.get(f"{self.url}/cluster", headers=ADMIN, timeout=30)
         assert answer.status_code == 200, answer.text
         return answer.json()
 
@@ -55,7 +59,7 @@ def running_cluster(
         "--kv-store-capacity-gb", str(store_gb), "--cluster-log-dir", str(log_dir),
         "--cpu-affinity", *extra_args,
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{ADMIN_TOKEN_ENV: ADMIN_TOKEN}, **(env or {}))
     process = ManagedProcess("cluster", argv, log_dir / "gateway.log", env=env)
     try:
         process.wait_http_ok(f"http://127.0.0.1:{port}/health", SERVER_START_TIMEOUT * 2)

@@ -17,6 +17,9 @@ from banaserve.router.policies import make_policy
 from banaserve.utils.processes import free_port
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: The admin token of the gateways made here; :func:`post` always carries it.
+ADMIN_TOKEN = "unit-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @asynccontextmanager
@@ -42,7 +45,7 @@ async def gateway_for(
     board = board if board is not None else LoadBoard(specs)
     gateway = Gateway(
         board, make_policy("round_robin", PREFILL), make_policy("round_robin", DECODE),
-        placer=Placer(handoff_min_tokens=10), **options,
+        placer=Placer(handoff_min_tokens=10), **{"admin_token": ADMIN_TOKEN, **options},
     )  # fmt: skip
     runner = web.AppRunner(gateway.app(), handler_cancellation=True)  # as cluster/run.py
     await runner.setup()
@@ -54,6 +57,10 @@ async def gateway_for(
         await runner.cleanup()
 
 
-async def post(url: str, body: dict) -> tuple[int, str]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+async def post(url: str, body: dict, headers: dict[str, str] = ADMIN) -> tuple[int, str]:
+    """POST ``body``, as the admin unless ``headers`` say otherwise."""
+    async with (
+        aiohttp.ClientSession(headers=headers) as session,
+        session.post(url, json=body) as response,
+    ):
         return response.status, await response.text()

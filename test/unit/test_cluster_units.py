@@ -36,7 +36,7 @@ from banaserve.router.placement import NoStorePlacer
 from banaserve.router.policies import POLICY_NAMES, make_policy
 from banaserve.router.request_shape import shape_request
 from banaserve.utils.processes import free_port
-from support.gateway import Handler, gateway_for, post, upstream
+from support.gateway import ADMIN, Handler, gateway_for, post, upstream
 
 
 def test_cores_are_shared_out_evenly() -> None:
@@ -315,7 +315,7 @@ def test_clear_caches_flushes_every_instance_then_the_store_and_the_index() -> N
 
     async def clear(url: str) -> tuple[int, Any]:
         async with aiohttp.ClientSession() as session:
-            async with session.post(f"{url}/clear_caches") as response:
+            async with session.post(f"{url}/clear_caches", headers=ADMIN) as response:
                 return response.status, await response.json()
 
     async def scenario() -> None:
@@ -434,3 +434,24 @@ def test_free_ports_are_outside_the_ephemeral_range() -> None:
         assert port not in _ephemeral_range()
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))  # really free
+
+
+def test_the_admin_token_is_the_flag_the_environment_or_a_private_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stat
+
+    from banaserve.cluster.credentials import ADMIN_TOKEN_FILE, admin_token_for
+    from banaserve.env import ADMIN_TOKEN_ENV
+
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-env")
+    assert admin_token_for("from-flag", tmp_path) == "from-flag"
+    assert admin_token_for(None, tmp_path) == "from-env"
+    assert not (tmp_path / ADMIN_TOKEN_FILE).exists()
+    monkeypatch.delenv(ADMIN_TOKEN_ENV)
+    token = admin_token_for(None, tmp_path)
+    path = tmp_path / ADMIN_TOKEN_FILE
+    assert len(token) >= 32 and path.read_text().strip() == token
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = admin_token_for(None, tmp_path)  # a restart in the same folder: a new token
+    assert again != token and path.read_text().strip() == again

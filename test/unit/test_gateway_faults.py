@@ -18,7 +18,7 @@ from banaserve.cluster.intake import Intake
 from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.supervisor import Death
 from banaserve.cluster.topology import DECODE, PREFILL, InstanceSpec
-from support.gateway import gateway_for, post, upstream
+from support.gateway import ADMIN, ADMIN_TOKEN, gateway_for, post, upstream
 
 MODEL = ModelLimits(vocab_size=100, context_length=64, max_token_bytes=4)
 
@@ -163,7 +163,7 @@ def test_a_request_on_a_killed_instance_is_retried_elsewhere_once() -> None:
 
 def test_with_an_api_key_the_gateway_asks_for_it_and_sends_it_on() -> None:
     """``--api-key``: clients need it, as on one SGLang server; relays carry it to the
-    instances (which are started with it; the polls too: ``e2e/test_cluster_api_key.py``)."""
+    instances (which are started with it; the polls too: ``e2e/test_cluster_clients.py``)."""
     seen: list[str | None] = []
 
     async def generate(request: web.Request) -> web.Response:
@@ -186,5 +186,39 @@ def test_with_an_api_key_the_gateway_asks_for_it_and_sends_it_on() -> None:
                 async with client.post(f"{url}/generate", json={"text": "x"}, headers=key) as ok:
                     assert ok.status == 200
         assert seen == ["Bearer k1"]  # the refused requests reached no instance
+
+    asyncio.run(scenario())
+
+
+def test_admin_calls_need_the_admin_token() -> None:
+    """Issue 31: ``/clear_caches``, ``/flush_cache`` and ``POST /migration`` ran for anyone who
+    reached the port, and ``/cluster`` showed anyone the processes' ids and arguments."""
+    flushed: list[str | None] = []
+
+    async def flush(request: web.Request) -> web.Response:
+        flushed.append(request.headers.get("Authorization"))
+        return web.Response(text="ok")
+
+    async def generate(_: web.Request) -> web.Response:
+        return web.json_response({"text": "ok"})
+
+    async def scenario() -> None:
+        async with upstream(generate, flush) as port:
+            specs = [InstanceSpec("decode-0", DECODE, port)]
+            async with gateway_for(specs, api_key="k1") as url:
+                for headers in ({}, {"Authorization": "Bearer k1"}, {"Authorization": "Bearer x"}):
+                    for path in ("/clear_caches", "/flush_cache", "/migration"):
+                        status, text = await post(f"{url}{path}", {}, headers)
+                        assert status == 401 and "admin token" in text, (path, headers)
+                assert flushed == []  # nothing reached an instance
+                status, _ = await post(f"{url}/flush_cache", {})  # as the admin
+                assert status == 200 and flushed == [f"Bearer {ADMIN_TOKEN}"]
+                async with aiohttp.ClientSession() as client:
+                    key = {"Authorization": "Bearer k1"}
+                    async with client.get(f"{url}/cluster", headers=key) as answer:
+                        shown = await answer.json()
+                    async with client.get(f"{url}/cluster", headers=ADMIN) as answer:
+                        whole = await answer.json()
+                assert "args" not in shown["instances"][0] and "args" in whole["instances"][0]
 
     asyncio.run(scenario())

@@ -17,7 +17,7 @@ requests refuses to flush: SGLang flushes only when idle), and a retry is safe.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -30,14 +30,16 @@ ClearStore = Callable[[], int]
 
 
 async def flush_instances(
-    session: aiohttp.ClientSession, urls: Sequence[str], method: str = "POST"
-) -> list[str]:
-    """Ask every instance in ``urls`` to flush its caches, all at once; the URLs that did not
-    answer 200 (refused, unreachable or busy)."""
+    session: aiohttp.ClientSession, urls: Sequence[str], method: str = "POST",
+    headers: Mapping[str, str] | None = None,
+) -> list[str]:  # fmt: skip
+    """Ask every instance in ``urls`` to flush its caches, all at once (``headers``: the admin
+    credential their ``/flush_cache`` needs); the URLs that did not answer 200 (refused,
+    unreachable or busy)."""
 
     async def flush(url: str) -> int:
         try:
-            async with session.request(method, url + "/flush_cache") as response:
+            async with session.request(method, url + "/flush_cache", headers=headers) as response:
                 return response.status
         except (aiohttp.ClientError, OSError):
             return 503
@@ -47,9 +49,10 @@ async def flush_instances(
 
 
 async def handle_flush_cache(
-    session: aiohttp.ClientSession, urls: Sequence[str], method: str
-) -> web.Response:
-    failed = await flush_instances(session, urls, method)
+    session: aiohttp.ClientSession, urls: Sequence[str], method: str,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:  # fmt: skip
+    failed = await flush_instances(session, urls, method, headers)
     if failed:
         return error_response(500, f"flush failed on {failed}", "InternalServerError")
     return web.Response(text="Cache flushed on every instance.\n")
@@ -60,12 +63,13 @@ async def handle_clear_caches(
     urls: Sequence[str],
     placer: Placer,
     clear_store: ClearStore | None,
+    headers: Mapping[str, str] | None = None,
 ) -> web.Response:
     """200 ``{"instances_flushed", "store_pages_dropped", "prompt_index_chars_dropped"}``
     once every part succeeded (``store_pages_dropped`` is 0 without a store); else 500 with
     what failed and those counts in the message."""
     failures: list[str] = []
-    failed = await flush_instances(session, urls)
+    failed = await flush_instances(session, urls, "POST", headers)
     if failed:
         failures.append(f"flush failed on {failed} (SGLang flushes only an idle instance)")
     dropped = 0

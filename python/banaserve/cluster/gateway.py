@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
@@ -42,9 +43,9 @@ from aiohttp import web
 from banaserve.api.request_limits import RequestRejected, check_body_size, check_content_type
 from banaserve.api.request_validation import GENERATION_PATHS
 from banaserve.cluster import cache_admin
-from banaserve.cluster.api_key import bearer, require_api_key
 from banaserve.cluster.cache_admin import ClearStore
 from banaserve.cluster.counters import GatewayCounters, multi_turn_state
+from banaserve.cluster.credentials import IS_ADMIN, authorize, bearer
 from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
 from banaserve.cluster.http_errors import error_response, unavailable
 from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
@@ -67,6 +68,8 @@ T = TypeVar("T")
 JSON = "application/json"
 #: The longest a direct request waits for the prefill step of the handoff it follows.
 FOLLOW_WAIT_S = 30.0
+#: What ``/cluster`` shows only to a request carrying the admin token.
+PRIVATE_STATE = ("pids", "log_dir")
 #: Paths answered by any one instance (they describe the model, not one instance's state).
 INFO_PATHS = ("/v1/models", "/get_model_info", "/model_info", "/get_server_info",
               "/server_info")  # fmt: skip
@@ -102,9 +105,12 @@ class Gateway:
         spill_prefill: bool = SPILL_PREFILL,
         serve_on_spare_prefill: bool = SERVE_ON_SPARE_PREFILL,
         api_key: str | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self.board = board
         self.api_key = api_key  # --api-key: asked of clients, sent to the instances
+        # Needed for admin calls, here and on the instances (a random one when not given).
+        self.admin_token = admin_token or secrets.token_urlsafe(24)
         placer = placer if placer is not None else Placer()
         self.router = Router(board, prefill_policy, decode_policy, placer, spill_prefill,
                              serve_on_spare_prefill)  # fmt: skip
@@ -121,9 +127,9 @@ class Gateway:
 
     def app(self) -> web.Application:
         # aiohttp's own limit only backs up the check in _read_body (same bound, our message).
-        middlewares = [require_api_key(self.api_key)] if self.api_key else []
         app = web.Application(
-            client_max_size=self.intake.limits.max_body_bytes + 1, middlewares=middlewares
+            client_max_size=self.intake.limits.max_body_bytes + 1,
+            middlewares=[authorize(self.api_key, self.admin_token)],
         )
         for path in GENERATION_PATHS:
             app.router.add_post(path, self.handle_generation)
@@ -428,14 +434,16 @@ class Gateway:
         """Flush every instance's local caches (the shared store keeps its pages)."""
         assert self.session is not None
         urls = [load.url for load in self._any_healthy()]
-        return await cache_admin.handle_flush_cache(self.session, urls, request.method)
+        return await cache_admin.handle_flush_cache(
+            self.session, urls, request.method, bearer(self.admin_token)
+        )
 
     async def handle_clear_caches(self, _: web.Request) -> web.Response:
         """Every cache of the cluster cleared: see :mod:`banaserve.cluster.cache_admin`."""
         assert self.session is not None
         urls = [load.url for load in self._any_healthy()]
         return await cache_admin.handle_clear_caches(
-            self.session, urls, self.router.placer, self.clear_store
+            self.session, urls, self.router.placer, self.clear_store, bearer(self.admin_token)
         )
 
     def cluster_state(self) -> dict[str, Any]:
@@ -470,10 +478,15 @@ class Gateway:
             "instances": instances,
         }
 
-    async def handle_cluster(self, _: web.Request) -> web.Response:
+    async def handle_cluster(self, request: web.Request) -> web.Response:
         state = self.cluster_state()
         if self.extra_info is not None:
             state.update(await self.extra_info())
+        if not request.get(IS_ADMIN, False):
+            for name in PRIVATE_STATE:  # how the processes run is the operator's business
+                state.pop(name, None)
+            for instance in state["instances"]:
+                instance.pop("args", None)
         return web.json_response(state)
 
     def migration_state(self) -> dict[str, Any]:

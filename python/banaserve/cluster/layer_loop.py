@@ -87,9 +87,11 @@ class LayerMigration:
 
     def __init__(self, board: Board, controller: LayerController, layout: LayerLayout,
                  clock: Callable[[], float] = time.monotonic,
-                 instance_headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+                 instance_headers: Mapping[str, str] | None = None,
+                 admin_headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self.board = board
         self.instance_headers = dict(instance_headers or {})  # on every call to an instance
+        self.admin_headers = dict(admin_headers or {})  # on a move, an admin call there
         self.controller = controller
         self.layout = layout
         self.clock = clock
@@ -105,6 +107,7 @@ class LayerMigration:
         cls, board: Board, specs: list[InstanceSpec], split: LayerSplit, layout: LayerLayout,
         model_path: Path, dtype: str, predictive: bool = False,
         instance_headers: Mapping[str, str] | None = None,
+        admin_headers: Mapping[str, str] | None = None,
     ) -> LayerMigration:  # fmt: skip
         splits = split_instances(specs, split, layer_weight_bytes(model_path, dtype))
         split_urls = {s.url for s in splits}
@@ -113,7 +116,8 @@ class LayerMigration:
             splits, cores=cores, config=LayerControllerConfig(predictive=predictive),
             boundary={s.url: split.boundary for s in splits},
         )  # fmt: skip
-        return cls(board, controller, layout, instance_headers=instance_headers)
+        return cls(board, controller, layout, instance_headers=instance_headers,
+                   admin_headers=admin_headers)  # fmt: skip
 
     def arrived(self, prompt_tokens: int, output_tokens: int) -> None:
         self.trend.record(self.clock(), prompt_tokens, output_tokens)
@@ -235,8 +239,11 @@ class LayerMigration:
                 timeout=aiohttp.ClientTimeout(total=INSTANCE_TIMEOUT_S),
             )
         body = None if boundary is None else {"boundary": boundary}
+        headers = self.admin_headers if method == "POST" else None
         try:
-            async with session.request(method, f"{url}/pp_boundary", json=body) as answer:
+            async with session.request(
+                method, f"{url}/pp_boundary", json=body, headers=headers
+            ) as answer:
                 if answer.status == 200:
                     return await answer.json()
                 logger.warning("%s /pp_boundary of %s: %d %s", method, self.name_of(url),

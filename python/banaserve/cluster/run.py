@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from banaserve.api.request_limits import ModelLimits
-from banaserve.cluster.api_key import bearer
+from banaserve.cluster.credentials import admin_token_for, bearer
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.intake import Intake, load_tokenizer, model_vocab_size
 from banaserve.cluster.layer_layout import LayerLayout
@@ -121,7 +121,7 @@ def run_cluster(plan: LaunchConfig) -> None:
     KV store at all); raise ChildFailed when start-up fails, and before starting anything
     MemoryPlanError when the plan does not fit in host memory and ValueError when the layout
     cannot be made (no core to lend a decode instance's layers to)."""
-    from banaserve.env import TOKEN_ENV
+    from banaserve.env import ADMIN_TOKEN_ENV, TOKEN_ENV
     from banaserve.server.store_start import start_store
 
     exit_on_sigterm()  # so a SIGTERM during start-up still stops what was started
@@ -167,7 +167,9 @@ def run_cluster(plan: LaunchConfig) -> None:
         )
         if lending is not None:
             launch = drop_flags(launch, (BOUNDARY_FLAG,), ())  # the decode instances' alone
-        env = dict(os.environ)
+        admin_token = admin_token_for(args.admin_api_key, log_dir)
+        # Each instance's launcher makes it its --admin-api-key (never in argv: ps shows it).
+        env = dict(os.environ, **{ADMIN_TOKEN_ENV: admin_token})
         if token:
             env[TOKEN_ENV] = token
         processes.start(
@@ -178,7 +180,7 @@ def run_cluster(plan: LaunchConfig) -> None:
         asyncio.run(
             serve_gateway(
                 processes, specs, options, urls, token, model_path,
-                args.host, args.port, ledger, lending, args.api_key,
+                args.host, args.port, ledger, lending, args.api_key, admin_token,
             )
         )  # fmt: skip
     finally:
@@ -224,6 +226,7 @@ async def serve_gateway(
     processes: ClusterProcesses, specs: list[Any], options: ClusterOptions, urls: list[str],
     token: str | None, model_path: str, host: str, port: int, ledger: LeftoverLedger,
     lending: LayerLending | None = None, api_key: str | None = None,
+    admin_token: str | None = None,
 ) -> None:  # fmt: skip
     import aiohttp
 
@@ -269,6 +272,7 @@ async def serve_gateway(
         migration = LayerMigration.for_cluster(
             board, specs, lending.split, lending.layout, Path(model_path), lending.dtype,
             predictive=options.migration_predictive, instance_headers=bearer(api_key),
+            admin_headers=bearer(admin_token),
         )  # fmt: skip
     gateway = Gateway(
         board,
@@ -283,6 +287,7 @@ async def serve_gateway(
         spill_prefill=options.spill_prefill,
         serve_on_spare_prefill=options.serve_on_spare_prefill,
         api_key=api_key,
+        admin_token=admin_token,
     )
     # A client that leaves cancels its handler: its upstream connection closes, and SGLang
     # aborts the request (a non-streaming one would otherwise generate to its end, for no one).

@@ -61,6 +61,7 @@ class EngineFlags:
     host: str
     port: int
     api_key: str | None
+    admin_api_key: str | None
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EngineFlags:

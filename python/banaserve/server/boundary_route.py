@@ -3,7 +3,8 @@
 
 ``GET`` answers the state: ``{"requested", "applied", "min_boundary", "num_layers",
 "moves", "bytes_moved"}`` (``applied``: the boundary the last micro-batch ran at).
-``POST {"boundary": k}`` asks for ``k`` (``min_boundary <= k <= num_layers``; ``k = L``
+``POST {"boundary": k}`` (an admin call: with ``--admin-api-key``, SGLang asks for it as for
+its own admin routes) asks for ``k`` (``min_boundary <= k <= num_layers``; ``k = L``
 runs every layer on the first stage, and the second holds no layer weights) and answers the
 state; the first stage moves before its next micro-batch. Anything else is a 400 that
 changes nothing.
@@ -50,6 +51,7 @@ def add_boundary_route(env: Mapping[str, str]) -> Path:
     """Create the split folder and its record at the split ``env`` starts with, add the
     routes to SGLang's app, and return the folder (the caller removes it at exit)."""
     from sglang.srt.entrypoints.http_server import app
+    from sglang.srt.utils.auth import AuthLevel, auth_level
 
     removed = remove_orphan_split_dirs()
     if removed:
@@ -63,6 +65,7 @@ def add_boundary_route(env: Mapping[str, str]) -> Path:
     async def get_boundary() -> JSONResponse:
         return JSONResponse(state(control, lowest))
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)  # a move is an admin call (--admin-api-key)
     async def post_boundary(request: Request) -> JSONResponse:
         try:
             body = await request.json()

@@ -1,0 +1,99 @@
+"""Who may call the gateway: ``--api-key`` for serving, the admin token for admin calls.
+
+``--api-key``: the gateway asks clients for the key as SGLang's server does, and sends it on
+every call it makes to an instance (each instance is started with the same key). SGLang 0.5.23
+(``sglang/srt/utils/auth.py``) answers 401 unless ``Authorization`` is ``Bearer <key>``, except
+for OPTIONS requests and paths under ``/health`` and ``/metrics``; the gateway does the same,
+so a client sees one behaviour whether it talks to one server or to a cluster.
+
+The admin token: the gateway's admin calls (:data:`ADMIN_ROUTES`: flushing and clearing
+caches, moving instances) need ``Bearer <admin token>``, whether or not there is an API key, as
+SGLang's own admin routes need its ``--admin-api-key``. The token is ``--admin-api-key`` when
+given, else ``$BANASERVE_ADMIN_TOKEN``, else one the launcher makes and writes to a file only
+its user can read (:func:`admin_token_for`). The instances get it as their ``--admin-api-key``
+(through the environment, never argv, which other users can read), so their own admin routes
+refuse anyone else too. The admin token works on every route; a request that carries it also
+sees what ``/cluster`` keeps from others (process ids, paths, arguments).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from banaserve.env import ADMIN_TOKEN_ENV
+
+logger = logging.getLogger("banaserve.cluster")
+
+#: Paths served without any credential (SGLang's exemptions): probes and scrapers carry none.
+OPEN_PREFIXES = ("/health", "/metrics")
+#: The gateway's routes that change the cluster's state.
+ADMIN_ROUTES = frozenset({
+    ("POST", "/flush_cache"), ("GET", "/flush_cache"), ("POST", "/clear_caches"),
+    ("POST", "/migration"),
+})  # fmt: skip
+#: Where a request's handler finds whether it carried the admin token.
+IS_ADMIN = "banaserve_admin"
+#: The file, in the cluster's log folder, that holds a token the launcher made.
+ADMIN_TOKEN_FILE = "admin-token"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
+
+def bearer(token: str | None) -> dict[str, str]:
+    """The header that carries ``token`` (none without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _carries(request: web.Request, token: str | None) -> bool:
+    if not token:
+        return False
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
+
+
+def authorize(api_key: str | None, admin_token: str) -> Middleware:
+    """An aiohttp middleware: admin routes need ``admin_token``; every other route but the
+    open ones needs ``api_key`` (or ``admin_token``) when there is an API key."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        admin = _carries(request, admin_token)
+        request[IS_ADMIN] = admin
+        if request.method == "OPTIONS":
+            return await handler(request)
+        if (request.method, request.path) in ADMIN_ROUTES:
+            if not admin:
+                message = ("Unauthorized: an admin call needs the admin token "
+                           f"(--admin-api-key or ${ADMIN_TOKEN_ENV}).")  # fmt: skip
+                return web.json_response({"error": message}, status=401)
+        elif api_key and not request.path.startswith(OPEN_PREFIXES):
+            if not (admin or _carries(request, api_key)):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
+def admin_token_for(given: str | None, log_dir: Path) -> str:
+    """The cluster's admin token: ``given`` (``--admin-api-key``), else ``$BANASERVE_ADMIN_
+    TOKEN``, else a new random one, written to ``log_dir/admin-token`` (an earlier run's file
+    replaced, the new one created exclusively with mode 0600) and its path logged."""
+    token = given or os.environ.get(ADMIN_TOKEN_ENV)
+    if token:
+        return token
+    token = secrets.token_urlsafe(24)
+    path = log_dir / ADMIN_TOKEN_FILE
+    path.unlink(missing_ok=True)  # an earlier run's; a file planted meanwhile fails the open
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(token + "\n")
+    logger.info("admin token (for /clear_caches, /flush_cache, POST /migration) in %s", path)
+    return token
