@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from support.cluster import ADMIN, Cluster, long_prompt, running_cluster
+from support.cluster import ADMIN, ADMIN_TOKEN, Cluster, long_prompt, running_cluster
 from support.servers import STATE_TIMEOUT, Server
 
 KEY = "test-key-31"
@@ -190,3 +190,12 @@ def test_a_stuck_instance_leaves_routing_and_its_request_is_served_elsewhere(
 
 def decode_0(cluster: Cluster) -> dict:
     return next(i for i in state(cluster)["instances"] if i["name"] == "decode-0")
+
+
+def test_server_info_shows_no_key(cluster: Cluster) -> None:
+    """SGLang's server info lists every argument, the API key and the admin token included."""
+    for path in ("/server_info", "/get_server_info"):
+        info = call(cluster, "GET", path, KEY).json()
+        assert info["api_key"] == "<redacted>" and info["admin_api_key"] == "<redacted>"
+        assert "launch_command" not in info
+        assert KEY not in json.dumps(info) and ADMIN_TOKEN not in json.dumps(info)

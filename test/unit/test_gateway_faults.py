@@ -222,3 +222,24 @@ def test_admin_calls_need_the_admin_token() -> None:
                 assert "args" not in shown["instances"][0] and "args" in whole["instances"][0]
 
     asyncio.run(scenario())
+
+
+def test_server_info_through_the_gateway_never_shows_the_keys() -> None:
+    """SGLang's ``/server_info`` lists every server argument, ``api_key`` and
+    ``admin_api_key`` (the cluster's admin token) included, and the command line."""
+    from banaserve.cluster.credentials import redacted_server_info
+
+    info = {"model_path": "/m", "api_key": "k1", "admin_api_key": "a1", "port": 1,
+            "launch_command": "python -m x --api-key k1 --admin-api-key=a1 --port 1"}  # fmt: skip
+    shown = redacted_server_info(info, admin=False)
+    assert shown == {"model_path": "/m", "api_key": "<redacted>", "admin_api_key": "<redacted>",
+                     "port": 1}  # fmt: skip
+    command = redacted_server_info(info, admin=True)["launch_command"]
+    assert command == "python -m x --api-key <redacted> --admin-api-key=<redacted> --port 1"
+    assert redacted_server_info({"api_key": None}, admin=False) == {"api_key": None}
+    # Known secrets are scrubbed wherever they show, at any depth.
+    nested = {"internal_states": [{"api_key": "k1", "argv": ["--x", "k1"], "note": "a1 b"}]}
+    assert redacted_server_info(nested, False, ("k1", "a1", None)) == {
+        "internal_states": [{"api_key": "<redacted>", "argv": ["--x", "<redacted>"],
+                             "note": "<redacted> b"}]
+    }  # fmt: skip

@@ -24,6 +24,7 @@ import os
 import secrets
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -97,3 +98,55 @@ def admin_token_for(given: str | None, log_dir: Path) -> str:
         out.write(token + "\n")
     logger.info("admin token (for /clear_caches, /flush_cache, POST /migration) in %s", path)
     return token
+
+
+#: SGLang's ``/server_info`` (and ``/get_server_info``) answer is every server argument, the
+#: keys included, and the command line: the gateway passes it on with the keys redacted, and
+#: without the command line (paths, arguments) unless the request carries the admin token.
+SERVER_INFO_PATHS = frozenset({"/get_server_info", "/server_info"})
+SECRET_ARGS = ("api_key", "admin_api_key")
+REDACTED = "<redacted>"
+
+
+def redacted_server_info(
+    info: dict[str, Any], admin: bool, secrets_known: tuple[str | None, ...] = ()
+) -> dict[str, Any]:
+    """``info`` with :data:`SECRET_ARGS` redacted at any depth, and every occurrence of a
+    string of ``secrets_known`` (the gateway's keys: they also show in per-rank states and
+    argv-like fields); ``launch_command`` dropped for others than the admin."""
+    known = [secret for secret in secrets_known if secret]
+
+    def scrub(value: Any, name: str = "") -> Any:
+        if name in SECRET_ARGS and value is not None:
+            return REDACTED
+        if isinstance(value, dict):
+            return {k: scrub(v, str(k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [scrub(v) for v in value]
+        if isinstance(value, str):
+            for secret in known:
+                value = value.replace(secret, REDACTED)
+        return value
+
+    out = scrub(info)
+    command = out.pop("launch_command", None)
+    if admin and command is not None:
+        out["launch_command"] = _redacted_command(command)
+    return out
+
+
+def _redacted_command(command: Any) -> Any:
+    flags = {f"--{name.replace('_', '-')}" for name in SECRET_ARGS}
+    words = command.split() if isinstance(command, str) else command
+    if not isinstance(words, list):
+        return REDACTED
+    shown = []
+    for i, word in enumerate(words):
+        name, equals, _ = str(word).partition("=")
+        if name in flags and equals:
+            shown.append(f"{name}={REDACTED}")
+        elif i > 0 and str(words[i - 1]) in flags:
+            shown.append(REDACTED)
+        else:
+            shown.append(word)
+    return " ".join(shown) if isinstance(command, str) else shown

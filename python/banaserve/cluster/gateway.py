@@ -45,7 +45,13 @@ from banaserve.api.request_validation import GENERATION_PATHS
 from banaserve.cluster import cache_admin
 from banaserve.cluster.cache_admin import ClearStore
 from banaserve.cluster.counters import GatewayCounters, multi_turn_state
-from banaserve.cluster.credentials import IS_ADMIN, authorize, bearer
+from banaserve.cluster.credentials import (
+    IS_ADMIN,
+    SERVER_INFO_PATHS,
+    authorize,
+    bearer,
+    redacted_server_info,
+)
 from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
 from banaserve.cluster.http_errors import error_response, unavailable
 from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
@@ -422,8 +428,14 @@ class Gateway:
         for load in self._any_healthy():
             try:
                 async with self.session.get(load.url + request.path_qs) as response:
+                    body = await response.read()
+                    if request.path in SERVER_INFO_PATHS and response.status == 200:
+                        admin = request.get(IS_ADMIN, False)
+                        secrets_known = (self.api_key, self.admin_token)
+                        info = redacted_server_info(json.loads(body), admin, secrets_known)
+                        return web.json_response(info)
                     return web.Response(
-                        status=response.status, body=await response.read(),
+                        status=response.status, body=body,
                         headers={"Content-Type": response.headers.get("Content-Type", JSON)},
                     )  # fmt: skip
             except (aiohttp.ClientError, OSError) as exc:
