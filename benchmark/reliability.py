@@ -16,6 +16,9 @@ probe against it, the destructive ones last:
 - the decode instance SIGKILLed under 16 concurrent streams: every request ends within 60 s,
   later ones succeed, outputs unchanged, the instance is restarted;
 - the launcher SIGKILLed: no process and no recorded shared-memory file left after 10 s;
+- hardening round two (``reliability_round_two.py``): out-of-vocabulary ids on every
+  generating route, bounds by value, clients that give up, admin calls without the token, a
+  stopped scheduler;
 - the store server's own probes (``store_probes.py``: hostile connections, oversized PUTs,
   binding and tokens, tenants).
 
@@ -421,6 +424,9 @@ def main() -> None:
             answer.raise_for_status()
             references[prompt(i, words=300)] = answer.json()["output_ids"]
         guarded(tally, "bad input", lambda: bad_input_probes(cluster))
+        from reliability_round_two import round_two_probes
+
+        guarded(tally, "round two", lambda: round_two_probes(cluster))
         guarded(tally, "poison pill", lambda: poison_probe(cluster, tally))
         guarded(tally, "disconnects", lambda: disconnect_probe(cluster, 16 if args.quick else 64))
         guarded(tally, "soak", lambda: soak_probe(cluster, 30 if args.quick else 300,
