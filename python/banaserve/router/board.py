@@ -41,8 +41,8 @@ logger = logging.getLogger("banaserve.router")
 FAILURES_BEFORE_DOWN = 3
 #: Seconds an instance may hold requests without publishing progress before it counts as
 #: stalled (the ``--stall-timeout`` default). SGLang publishes after every prefill batch and
-#: decode step; on this machine's CPU engine the longest step seen is a ~4k-token prefill
-#: chunk of SmolLM2-135M, about 2 s, so 10 s leaves room for slower models and cores.
+#: decode step, so it only has to exceed the longest single batch a deployment runs; not
+#: measured against one: a judgement, and a flag to raise where one prefill batch is slower.
 STALL_AFTER_S = 10.0
 
 
