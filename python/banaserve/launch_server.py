@@ -217,12 +217,17 @@ def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, lis
 
 
 def add_request_checks(served_names: list[str], limits: RequestLimits) -> None:
-    """The request guard on SGLang's app, and the token-id check where SGLang tokenises."""
+    """The request guard on SGLang's app, and the token-id check where SGLang tokenises.
+    SGLang's CORS middleware (any origin, with credentials: a page on any site the user
+    visits may read this server's answers) is taken out: no route here is meant for browsers
+    of other origins."""
+    from fastapi.middleware.cors import CORSMiddleware
     from sglang.srt.entrypoints.http_server import app
 
     from banaserve.server import token_id_check
     from banaserve.server.request_guard import RequestGuard
 
+    app.user_middleware = [m for m in app.user_middleware if m.cls is not CORSMiddleware]
     app.add_middleware(RequestGuard, served_names=served_names, limits=limits)
     token_id_check.install()
 

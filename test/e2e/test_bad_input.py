@@ -121,3 +121,14 @@ def test_what_a_request_asks_for_is_bounded(server: Server) -> None:
         assert answer.status_code == 400, answer.text
         assert field in error_message(answer)
     still_serves(server)
+
+
+def test_no_other_origin_may_read_the_answers(server: Server) -> None:
+    """Issue 31: a preflight from any origin got ``Access-Control-Allow-Origin`` echoed back
+    (SGLang allows every origin, with credentials)."""
+    evil = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    preflight = requests.options(f"{server.url}/generate", headers=evil, timeout=30)
+    assert "access-control-allow-origin" not in {k.lower() for k in preflight.headers}
+    answer = requests.get(f"{server.url}/v1/models", headers=evil, timeout=30)
+    assert answer.status_code == 200
+    assert "access-control-allow-origin" not in {k.lower() for k in answer.headers}
