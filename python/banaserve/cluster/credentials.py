@@ -100,6 +100,20 @@ def admin_token_for(given: str | None, log_dir: Path) -> str:
     return token
 
 
+#: What ``/cluster`` shows only to a request carrying the admin token: how the processes run.
+PRIVATE_STATE = ("pids", "log_dir")
+
+
+def cluster_state_shown(state: dict[str, Any], admin: bool) -> dict[str, Any]:
+    """``/cluster``'s ``state`` as the requester may see it: without :data:`PRIVATE_STATE` and
+    the instances' arguments unless ``admin``."""
+    if admin:
+        return state
+    shown = {k: v for k, v in state.items() if k not in PRIVATE_STATE}
+    shown["instances"] = [{k: v for k, v in i.items() if k != "args"} for i in state["instances"]]
+    return shown
+
+
 #: SGLang's ``/server_info`` (and ``/get_server_info``) answer is every server argument, the
 #: keys included, and the command line: the gateway passes it on with the keys redacted, and
 #: without the command line (paths, arguments) unless the request carries the admin token.

@@ -35,7 +35,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -50,12 +50,13 @@ from banaserve.cluster.credentials import (
     SERVER_INFO_PATHS,
     authorize,
     bearer,
+    cluster_state_shown,
     redacted_server_info,
 )
 from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
 from banaserve.cluster.http_errors import error_response, unavailable
 from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
-from banaserve.cluster.load_board import LoadBoard
+from banaserve.cluster.load_board import InstanceGone, LoadBoard
 from banaserve.cluster.migration_loop import MigrationLoop
 from banaserve.cluster.poison import PoisonGuard
 from banaserve.cluster.prometheus import render_metrics
@@ -69,20 +70,12 @@ from banaserve.router.spill import SPILL_PREFILL
 
 logger = logging.getLogger("banaserve.cluster")
 
-T = TypeVar("T")
-
 JSON = "application/json"
 #: The longest a direct request waits for the prefill step of the handoff it follows.
 FOLLOW_WAIT_S = 30.0
-#: What ``/cluster`` shows only to a request carrying the admin token.
-PRIVATE_STATE = ("pids", "log_dir")
 #: Paths answered by any one instance (they describe the model, not one instance's state).
 INFO_PATHS = ("/v1/models", "/get_model_info", "/model_info", "/get_server_info",
               "/server_info")  # fmt: skip
-
-
-class InstanceGone(Exception):
-    """The instance a request was waiting on left routing (died or stopped answering)."""
 
 
 class Gateway:
@@ -243,7 +236,9 @@ class Gateway:
             only = None
             pid = self.failover.pid_of(url)
             try:
-                status, data = await self._race(self._post_json(url + shape.path, payload), url)
+                status, data = await self.board.race(
+                    self._post_json(url + shape.path, payload), url
+                )
                 await self.failover.raise_if_died(url, pid, status)
             except (aiohttp.ClientError, OSError, InstanceGone, InstanceDied) as exc:
                 refused, only = await self.failover.next_try(url, pid, exc, admitted, "prefill")
@@ -339,13 +334,13 @@ class Gateway:
         assert self.session is not None
         shape = admitted.shape
         headers = {"Content-Type": JSON}
-        upstream = await self._race(
+        upstream = await self.board.race(
             self.session.post(url + shape.path, data=raw, headers=headers), url
         )
         async with upstream:
             content_type = upstream.headers.get("Content-Type", JSON)
             if "text/event-stream" not in content_type:
-                data = await self._race(upstream.read(), url)
+                data = await self.board.race(upstream.read(), url)
                 await self.failover.raise_if_died(url, pid, upstream.status)
                 if upstream.status == 200:
                     counts = whole_reply_prompt_tokens(shape.path, data)
@@ -365,7 +360,7 @@ class Gateway:
             tail = StreamTail()
             while True:
                 try:
-                    chunk = await self._race(upstream.content.readany(), url)
+                    chunk = await self.board.race(upstream.content.readany(), url)
                 except (aiohttp.ClientError, OSError, InstanceGone) as exc:
                     failure = exc
                     break
@@ -392,26 +387,6 @@ class Gateway:
             with contextlib.suppress(ConnectionError, aiohttp.ClientError):
                 await out.write_eof()
             return out
-
-    async def _race(self, awaitable: Awaitable[T], url: str) -> T:
-        """Await ``awaitable`` unless ``url`` leaves routing first (then InstanceGone)."""
-        gone = self.board.gone_event(url)
-        task = asyncio.ensure_future(awaitable)
-        if gone.is_set():
-            task.cancel()
-            raise InstanceGone(url)
-        waiter = asyncio.ensure_future(gone.wait())
-        try:
-            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        finally:
-            waiter.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise InstanceGone(f"{url} left routing")
 
     # -- everything else -----------------------------------------------------------------------
 
@@ -494,12 +469,7 @@ class Gateway:
         state = self.cluster_state()
         if self.extra_info is not None:
             state.update(await self.extra_info())
-        if not request.get(IS_ADMIN, False):
-            for name in PRIVATE_STATE:  # how the processes run is the operator's business
-                state.pop(name, None)
-            for instance in state["instances"]:
-                instance.pop("args", None)
-        return web.json_response(state)
+        return web.json_response(cluster_state_shown(state, request.get(IS_ADMIN, False)))
 
     def migration_state(self) -> dict[str, Any]:
         if self.migration is not None:

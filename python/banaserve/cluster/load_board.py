@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import aiohttp
 
@@ -18,12 +19,18 @@ from banaserve.cluster.topology import InstanceSpec
 from banaserve.router.board import STALL_AFTER_S, Board
 from banaserve.router.loads_report import LOADS_PATH
 
+T = TypeVar("T")
+
 POLL_INTERVAL_S = 0.5
 POLL_TIMEOUT_S = 2.0
 #: SGLang's ``/health_generate`` runs one token through the scheduler (it answers at once if
 #: the scheduler produced output lately); it gives up on its own after 20 s.
 PROBE_PATH = "/health_generate"
 PROBE_TIMEOUT_S = 30.0
+
+
+class InstanceGone(Exception):
+    """The instance a request was waiting on left routing (died or stopped answering)."""
 
 
 class LoadBoard(Board):
@@ -43,6 +50,26 @@ class LoadBoard(Board):
         if event is None:
             event = self._gone[url] = asyncio.Event()
         return event
+
+    async def race(self, awaitable: Awaitable[T], url: str) -> T:
+        """Await ``awaitable`` unless ``url`` leaves routing first (then InstanceGone)."""
+        gone = self.gone_event(url)
+        task = asyncio.ensure_future(awaitable)
+        if gone.is_set():
+            task.cancel()
+            raise InstanceGone(url)
+        waiter = asyncio.ensure_future(gone.wait())
+        try:
+            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise InstanceGone(f"{url} left routing")
 
     def _left(self, url: str) -> None:
         self.gone_event(url).set()
