@@ -31,3 +31,6 @@ THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 REQUEST_WAIT_ENV = "SGLANG_REQUEST_STATE_WAIT_TIMEOUT"
 #: The admin token of a cluster's gateway and instances (``--admin-api-key`` wins over it).
 ADMIN_TOKEN_ENV = "BANASERVE_ADMIN_TOKEN"
+#: SGLang's torch.distributed rendezvous, replacing its ``tcp://HOST:PORT`` one (BanaServe
+#: sets a private ``file://`` one; see :mod:`banaserve.server.rendezvous`).
+RENDEZVOUS_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"

@@ -41,6 +41,7 @@ from banaserve.platform import cpu_platform_wanted, install
 from banaserve.router.loads_report import PUBLISH_EVERY_DECODE_STEPS
 from banaserve.server.kv_pool_sizing import size_kv_pool
 from banaserve.server.memory_plan import host_pool_ratio
+from banaserve.server.rendezvous import PrivateRendezvous, needs_private_rendezvous
 from banaserve.utils.processes import ManagedProcess
 
 # The .pth file normally installed the hook already; this covers running from a source tree,
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     load_plugins()
     store_process = None
     split_dir = None
+    rendezvous = None
     try:
         sglang_argv = plan.sglang_argv
         if plan.kv_store is not None:
@@ -283,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
             # A cluster's instance: the launcher's admin token guards its admin routes too.
             sglang_argv = [*sglang_argv, "--admin-api-key", admin_token]
         server_args = prepare_server_args(sglang_argv)
+        if needs_private_rendezvous(server_args.nnodes, server_args.dist_init_addr):
+            rendezvous = PrivateRendezvous(server_args.port)
         add_request_checks(plan.served_names, plan.request_limits)
         if MOVABLE_ENV in plan.env:
             from banaserve.server.boundary_route import add_boundary_route
@@ -292,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if split_dir is not None:
             shutil.rmtree(split_dir, ignore_errors=True)
+        if rendezvous is not None:
+            rendezvous.remove()
         if store_process is not None:
             store_process.stop()
         kill_process_tree(os.getpid(), include_parent=False)

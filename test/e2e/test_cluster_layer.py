@@ -31,7 +31,7 @@ from support.cluster import (
     wait_all_running,
 )
 from support.servers import Server
-from support.stages import stage_processes, thread_masks
+from support.stages import listening_sockets, not_on_loopback, stage_processes, thread_masks
 
 #: More than --in-place-max-new-tokens (16): served by the decode instance only.
 LONG_OUT = {"temperature": 0.0, "max_new_tokens": 24}
@@ -68,6 +68,15 @@ def test_the_split_decode_instance_matches_a_plain_instance(
     after = {i["name"]: i["routed"] for i in cluster.state()["instances"]}
     # Every serve step ran on the split decode instance (two per prompt).
     assert after["decode-0"] - before["decode-0"] == 2 * len(prompts)
+
+
+def test_every_listener_binds_loopback(cluster: Cluster) -> None:
+    """Gateway, store, instances, their stages and SGLang's processes listen on the host the
+    cluster was given (127.0.0.1), torch.distributed's rendezvous included: before issue 31's
+    fix each instance's TCPStore listened on every address (``*:PORT``)."""
+    listeners = listening_sockets(cluster.process.pid)
+    assert len(listeners) >= 4, listeners  # gateway, store and at least one scheduler each
+    assert not_on_loopback(listeners) == {}
 
 
 def test_the_layout_is_reported_and_the_stages_are_pinned(cluster: Cluster) -> None:

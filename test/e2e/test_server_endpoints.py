@@ -12,6 +12,7 @@ import pytest
 import requests
 
 from support.servers import TEST_KV_TOKENS, Server
+from support.stages import listening_sockets, not_on_loopback
 
 PROMPTS = [
     "The quick brown fox",
@@ -129,6 +130,14 @@ def test_chat_matches_engine(server: Server, reference: Reference, prompt: str) 
     )
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert streamed == expected
+
+
+def test_every_listener_binds_loopback(server: Server) -> None:
+    """One server started on loopback listens on loopback only, torch.distributed's rendezvous
+    included (before issue 31's fix its TCPStore listened on ``*:PORT``)."""
+    listeners = listening_sockets(server.process.pid)
+    assert listeners, "the server listens on nothing?"
+    assert not_on_loopback(listeners) == {}
 
 
 def test_health_models_and_metrics(server: Server) -> None:
