@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from banaserve.cluster.leftovers import recorded_shm, shm_files  # noqa: E402
 from banaserve.env import CRASH_ON_TEXT_ENV  # noqa: E402
 from banaserve.utils.processes import ManagedProcess, free_port  # noqa: E402
 from compare_systems import BENCH_ADMIN_TOKEN, banaserve_env  # noqa: E402
@@ -365,8 +366,7 @@ def decode_kill_probe(cluster: Cluster, references: dict[str, list[int]], tally:
 
 
 def launcher_kill_probe(cluster: Cluster) -> Probe:
-    ledger = json.loads((cluster.log_dir / "children.json").read_text())
-    files = [p for p in ledger["shm"] if Path(p).exists()]
+    files = shm_files(recorded_shm(cluster.log_dir / "children.json"))
     children = psutil.Process(cluster.launcher.pid).children(recursive=True)
     os.kill(cluster.launcher.pid, signal.SIGKILL)
     _, alive = psutil.wait_procs(children, timeout=10)

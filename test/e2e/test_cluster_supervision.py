@@ -3,8 +3,9 @@
 Bad input is refused at the gateway and at every instance; a request that crashes its instance
 anyway (fault injection: BANASERVE_TEST_CRASH_ON_TEXT makes the scheduler raise on it) costs
 that one instance, which is restarted, and is then quarantined; a killed instance is
-restarted while the other serves; and a launcher killed with SIGKILL leaves no process and no
-shared-memory file behind. The tests run in file order: the last one kills the launcher.
+restarted while the other serves, three times, and leaves nothing behind; and a launcher
+killed with SIGKILL leaves no process and no shared-memory file behind. The tests run in
+file order: the last one kills the launcher.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ import psutil
 import pytest
 import requests
 
+from banaserve.cluster.leftovers import mapped_shm, recorded_shm, shm_files
 from banaserve.env import CRASH_ON_TEXT_ENV
 from support.cluster import (
     RESTART_TIMEOUT_S,
@@ -89,27 +92,49 @@ def test_a_poison_pill_costs_one_instance_and_is_then_refused(
     assert 'banaserve_instance_restarts_total{instance="' in metrics
 
 
-def test_a_killed_decode_instance_is_restarted(cluster: Cluster, server: Server) -> None:
-    state = cluster.state()
-    decode = next(i for i in state["instances"] if i["role"] == "decode")
-    before = state["supervisor"][decode["name"]]
-    os.killpg(state["pids"][decode["name"]], signal.SIGKILL)
-    # The prefill instance serves meanwhile; the decode one comes back.
+def orphan_shm_files(before: set[str]) -> set[str]:
+    """Files in /dev/shm that were not there ``before`` and that no process maps or holds."""
+    used = mapped_shm(int(p) for p in os.listdir("/proc") if p.isdigit())
+    return {entry.name for entry in os.scandir("/dev/shm")
+            if entry.name not in before and entry.stat().st_ino not in used}  # fmt: skip
+
+
+def dead_rendezvous_runs() -> list[Path]:
+    """Rendezvous folders (:mod:`banaserve.server.rendezvous`) of server runs that are gone."""
+    return [p for p in Path(tempfile.gettempdir()).glob("banaserve-rendezvous-*-*")
+            if not psutil.pid_exists(int(p.name.split("-")[2]))]  # fmt: skip
+
+
+def test_a_killed_decode_instance_is_restarted_and_leaves_nothing(
+    cluster: Cluster, server: Server
+) -> None:
+    """Three kill-restart cycles: each restart serves as before, and what the killed runs
+    left in /dev/shm (SGLang's load snapshots and multiprocessing semaphores; one of each per
+    run before issue 31's fix) and in their rendezvous folders is gone."""
+    shm_before = set(os.listdir("/dev/shm"))
     prompt = "A river runs"
     expected = generate(server.url, prompt)["output_ids"]
-    assert generate(cluster.url, prompt)["output_ids"] == expected
-    wait_death_seen(cluster, decode["name"], before["deaths"])
-    wait_all_running(cluster)
-    report = cluster.state()["supervisor"][decode["name"]]
-    assert report["restarts"] == before["restarts"] + 1
-    assert report["last_death"]["crashed_by_itself"] is False  # a kill from outside
-    assert generate(cluster.url, prompt)["output_ids"] == expected
+    for cycle in range(3):
+        state = cluster.state()
+        decode = next(i for i in state["instances"] if i["role"] == "decode")
+        before = state["supervisor"][decode["name"]]
+        os.killpg(state["pids"][decode["name"]], signal.SIGKILL)
+        # The prefill instance serves meanwhile; the decode one comes back.
+        assert generate(cluster.url, prompt)["output_ids"] == expected
+        wait_death_seen(cluster, decode["name"], before["deaths"])
+        wait_all_running(cluster)
+        report = cluster.state()["supervisor"][decode["name"]]
+        assert report["restarts"] == before["restarts"] + 1
+        assert report["last_death"]["crashed_by_itself"] is False  # a kill from outside
+        assert generate(cluster.url, prompt)["output_ids"] == expected, cycle
+    assert orphan_shm_files(shm_before) == set()
+    # A run's rendezvous folder is removed by the next run when the first is killed.
+    assert dead_rendezvous_runs() == []
 
 
 def test_a_killed_launcher_leaves_nothing_behind(cluster: Cluster) -> None:
-    ledger = json.loads((cluster.log_dir / "children.json").read_text())
-    shm = [p for p in ledger["shm"] if Path(p).exists()]
-    assert any("sglang_loads" in p for p in shm), ledger  # what SIGKILLed SGLang leaves
+    shm = shm_files(recorded_shm(cluster.log_dir / "children.json"))
+    assert any("sglang_loads" in p for p in shm), shm  # what SIGKILLed SGLang leaves
     launcher = psutil.Process(cluster.process.pid)
     children = launcher.children(recursive=True)
     assert len(children) >= 3
@@ -117,6 +142,7 @@ def test_a_killed_launcher_leaves_nothing_behind(cluster: Cluster) -> None:
     _, alive = psutil.wait_procs(children, timeout=60)
     assert not alive, [c.cmdline() for c in alive]
     deadline = time.monotonic() + 60
-    while any(Path(p).exists() for p in shm):
-        assert time.monotonic() < deadline, [p for p in shm if Path(p).exists()]
+    while any(Path(p).exists() for p in shm) or dead_rendezvous_runs():
+        assert time.monotonic() < deadline, ([p for p in shm if Path(p).exists()],
+                                             dead_rendezvous_runs())  # fmt: skip
         time.sleep(0.2)

@@ -36,7 +36,8 @@ from banaserve.utils.processes import tail
 logger = logging.getLogger("banaserve.cluster")
 
 MONITOR_INTERVAL_S = 1.0
-#: How often the children's shm mappings are recorded for the clean-up at exit.
+#: How often the children's shm mappings are recorded, for the clean-ups after a death and at
+#: exit.
 LEDGER_SCAN_EVERY_S = 5.0
 #: Lines SGLang logs when one of an instance's own processes failed (then it SIGKILLs itself).
 SGLANG_CRASH_MARKERS = (
@@ -170,6 +171,11 @@ class Supervisor:
         state.back.clear()
         if child.url is not None:
             self.board.mark_dead(child.url)
+        if self.ledger is not None:
+            # Before the restart: what the dead run left in /dev/shm goes with it.
+            _, removed = self.ledger.release(process.pid)
+            if removed:
+                logger.info("removed %d shared-memory files %s left", removed, child.name)
         state.phase = "waiting"
         state.restart_at = self.policy.restart_at(state.restarts, now)
         cause = "crashed" if death.crashed_by_itself else "was killed"

@@ -8,8 +8,10 @@ nothing, so it replaces the TCP store wherever every rank of the server runs on 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from banaserve.env import RENDEZVOUS_ENV
 #: Where SGLang's CPU all-reduce (AMX and arm64 only) takes the names of its shared-memory
 #: segments from; SGLang fills them from a ``tcp://`` rendezvous only.
 _SHM_NAME_ENVS = ("MASTER_ADDR", "MASTER_PORT")
+_PREFIX = "banaserve-rendezvous-"
 
 
 def needs_private_rendezvous(nnodes: int, dist_init_addr: str | None) -> bool:
@@ -31,12 +34,14 @@ class PrivateRendezvous:
     """A folder of mode 0700 holding the rendezvous file of one server run, named in this
     process's environment (which its scheduler processes inherit) until :meth:`remove`.
 
-    Each run gets a new folder: torch's ``FileStore`` must not meet a file a killed run
-    left behind.
+    Each run gets a new folder, named after its process: torch's ``FileStore`` must not
+    meet a file a killed run left behind, and a server killed before :meth:`remove` (SGLang
+    ends with SIGKILL to its own tree) leaves its folder for the next run to remove.
     """
 
     def __init__(self, port: int) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="banaserve-rendezvous-"))
+        remove_dead_runs(Path(tempfile.gettempdir()))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
         os.environ[RENDEZVOUS_ENV] = f"file://{self.folder / 'store'}"
         # Distinct segment names for co-located servers, as SGLang derives them from TCP.
         os.environ.setdefault(_SHM_NAME_ENVS[0], "127.0.0.1")
@@ -44,3 +49,28 @@ class PrivateRendezvous:
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def remove_dead_runs(parent: Path) -> list[Path]:
+    """Remove the rendezvous folders in ``parent`` that this user's processes, now gone, left
+    behind; return them. A folder whose process still runs, or another user's, stays."""
+    removed = []
+    for folder in parent.glob(f"{_PREFIX}*-*"):
+        pid = folder.name[len(_PREFIX) :].split("-", 1)[0]
+        with contextlib.suppress(OSError):
+            info = folder.lstat()
+            if not (pid.isdigit() and stat.S_ISDIR(info.st_mode)) or info.st_uid != os.getuid():
+                continue
+            if not _alive(int(pid)):
+                shutil.rmtree(folder)
+                removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (killed, not yet reaped) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
