@@ -148,23 +148,24 @@ def half_sent_puts(
 
 
 def connection_cap(
-    store: StoreProcess, monitor: Monitor, extra: int = 8
+    store: StoreProcess, monitor: Monitor
 ) -> Callable[[], tuple[list[Peer], dict[str, Any]]]:
-    """Fill the connection cap with idle strangers, then open ``extra`` more: those ``extra``
-    are the hostile connections of the outcome."""
+    """Fill the strangers' connection cap with idle strangers (the hostile connections of
+    the outcome), then connect with the token: the client must be served
+    (``authenticated_served``), the oldest strangers closed with BUSY to make room for it."""
+    from banaserve.kvstore.client import KvStoreClient
 
     def attack() -> tuple[list[Peer], dict[str, Any]]:
         # Nothing but the monitor open, so that no slot frees up while the cap is full.
         stats = monitor.wait_until(lambda s: s["connections"] == 1, "only the monitor open")
-        limit = stats.get("max_connections", 256)
-        idle = [Peer(connect(store.host, store.port), b"") for _ in range(limit - 1)]
-        try:
-            monitor.wait_until(lambda s: s["connections"] >= limit, f"{limit} connections open")
-            over = [Peer(connect(store.host, store.port), b"") for _ in range(extra)]
-            answered = pump_until(over, _answered(over), 10.0)
-        finally:
-            close_all(idle)
-        return over, {"limit": limit, "all_answered": answered}
+        limit = stats["max_strangers"]
+        idle = [Peer(connect(store.host, store.port), b"") for _ in range(limit)]
+        monitor.wait_until(lambda s: s["unauthenticated"] >= limit, f"{limit} strangers in")
+        with KvStoreClient(store.url, token=store.token) as client:
+            served = client.exists([key("cap probe")]) == [False]
+            served = served and "error" not in client.stats()[store.url]
+        closed = pump_until(idle, lambda: any(p.error is not None for p in idle), 10.0)
+        return idle, {"limit": limit, "authenticated_served": served, "one_closed": closed}
 
     return attack
 
@@ -190,6 +191,12 @@ def tenant_isolation(url: str, tokens: dict[str, str], shared: str | None) -> li
                 problems.append(f"{name} does not read back its own page under a shared raw key")
         if a.exists(raw[1:]) != [False] or a.get(raw[1:], [bytearray(4096)]) != [False]:
             problems.append(f"{alpha} can probe or read a page only {beta} stored")
+        # STATS tells a tenant of its own requests only (alpha: 1 PUT page, 2 GET pages, 1 hit).
+        (shown,) = a.stats().values()
+        own = {"up": True, "server": {**shown.get("server", {}), "tenant": alpha, "put_pages": 1,
+               "put_stored": 1, "get_pages": 2, "get_hits": 1}}  # fmt: skip
+        if shown != own or "pid" in shown["server"] or "ram_pages" in shown["server"]:
+            problems.append(f"{alpha}'s STATS tells more than its own requests: {shown}")
     if shared is not None:
         with KvStoreClient(url, token=shared) as s:
             if s.exists(raw) != [False, False]:

@@ -84,9 +84,9 @@ def _memory_probes(store: hostile.StoreProcess) -> list[Probe]:
                 ),
             ),
             (
-                "connection cap (8 over it)",
+                "strangers' connection cap full, a client with the token comes",
                 patterns.connection_cap,
-                lambda o: o.codes() == {ErrorCode.BUSY.value: len(o.errors)},
+                lambda o: bool(o.notes["authenticated_served"] and o.notes["one_closed"]),
             ),
         ]
         for name, pattern, refused_right in cases:

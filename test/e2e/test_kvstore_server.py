@@ -196,6 +196,33 @@ def test_killed_shm_client_leaves_nothing_in_dev_shm(store: StoreProcess) -> Non
         assert client.exists([b"k" * 32]) == [True]
 
 
+def test_a_client_cannot_name_a_file_for_the_store_to_map(store: StoreProcess) -> None:
+    """Issue 31: the HELLO and SHM_ATTACH of an authenticated client named the segment, so it
+    could have the store map any file under /dev/shm (SGLang's, another tenant's) and read
+    or overwrite it. The server now creates every segment; a named one is refused."""
+    victim = Path(f"/dev/shm/banaserve-victim-{os.getpid()}")
+    victim.write_bytes(b"secret" * 1024)
+    name = {"name": victim.name, "size": 4096}
+
+    class Naming(TcpTransport):
+        def _hello(self, token: str | None) -> dict:
+            return {**super()._hello(token), "shm": name}
+
+    try:
+        with pytest.raises(KvStoreRemoteError, match="the server names shared-memory segments"):
+            Naming(parse_url(store.url), 10.0).connect(TOKEN)
+        transport = open_transport(parse_url(store.shm_url), 10.0)
+        try:
+            transport.connect(TOKEN)
+            with pytest.raises(KvStoreRemoteError, match="the server names"):
+                TcpTransport.request(transport, Op.SHM_ATTACH, name)
+        finally:
+            transport.close()
+        assert victim.read_bytes() == b"secret" * 1024
+    finally:
+        victim.unlink()
+
+
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_shm_get_streams_pages_of_every_size(
     store: StoreProcess, monkeypatch: pytest.MonkeyPatch, pipeline: bool

@@ -65,14 +65,14 @@ def raw_frame(
 
 VALID_REQUESTS = [
     encode_frame(Op.HELLO, 1, {"version": PROTOCOL_VERSION, "token": "t"}),
-    encode_frame(Op.HELLO, 1, {"version": 1, "token": None, "shm": {"name": "psm_x", "size": 64}}),
+    encode_frame(Op.HELLO, 1, {"version": 1, "token": None, "shm": {"size": 64}}),
     encode_frame(Op.EXISTS, 2, {"keys": [key(0), key(1)]}),
     encode_frame(Op.GET, 3, {"keys": [key(0)], "lengths": [16], "range": [4, 16]}),
     encode_frame(Op.GET, 3, {"keys": [key(0), key(1)], "lengths": [8, 8], "range": None}),
     encode_frame(Op.PUT, 4, {"keys": [key(0), key(1)], "sizes": [3, 2]}, b"abcde"),
     encode_frame(Op.PUT, 4, {"keys": [key(0)], "sizes": [3], "shm": True}),
     encode_frame(Op.STATS, 5, {}),
-    encode_frame(Op.SHM_ATTACH, 6, {"name": "psm_y", "size": 1 << 20}),
+    encode_frame(Op.SHM_ATTACH, 6, {"size": 1 << 20}),
 ]
 
 VALID_REPLIES = [
@@ -147,11 +147,16 @@ BAD_REQUESTS = {
     "token as int": (raw_frame(Op.HELLO, {"version": 1, "token": 5}), "'token' must be str"),
     "bool as int": (raw_frame(Op.HELLO, {"version": True}), "must be int, got bool"),
     "hello with payload": (raw_frame(Op.HELLO, HELLO, b"xx"), "carries no payload"),
-    "shm name with slash": (
-        raw_frame(Op.SHM_ATTACH, {"name": "../etc/x", "size": 8}),
-        "bad shared-memory name",
+    # Issue 31: a client named the segment, so a tenant could have any /dev/shm file mapped.
+    "shm segment named by the client": (
+        raw_frame(Op.SHM_ATTACH, {"name": "sglang_loads_x", "size": 8}),
+        "the server names shared-memory segments",
     ),
-    "shm size zero": (raw_frame(Op.SHM_ATTACH, {"name": "psm_a", "size": 0}), "size 0"),
+    "hello segment named by the client": (
+        raw_frame(Op.HELLO, {"version": 1, "shm": {"name": "psm_a", "size": 8}}),
+        "the server names shared-memory segments",
+    ),
+    "shm size zero": (raw_frame(Op.SHM_ATTACH, {"size": 0}), "size 0"),
     "sizes too short": (raw_frame(Op.PUT, {"keys": [key(0)], "sizes": []}, b""), "0 entries"),
     "negative size": (raw_frame(Op.PUT, {"keys": [key(0)], "sizes": [-1]}), "ints >= 0"),
     "payload shorter than sizes": (

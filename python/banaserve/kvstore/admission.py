@@ -2,9 +2,13 @@
 
 Who can make the server allocate what, and the bound on it:
 
-- *A connection at all*: at most ``max_connections`` at once per listener (the TCP/shm one, the
-  ucx:// one: a :class:`ConnectionGate` each). Over the cap a new connection is sent
-  :attr:`ConnectionGate.busy_frame` (encoded once) and closed; nothing is allocated for it.
+- *A connection at all*: at most ``max_connections`` authenticated ones at once per listener
+  (the TCP/shm one, the ucx:// one: a :class:`ConnectionGate` each), and apart from them a
+  quarter as many strangers. Over the strangers' cap the TCP listener closes the oldest
+  stranger to let the new connection in (a peer with the token sends its HELLO at once, so
+  idle strangers cannot lock it out); the ucx:// one, and the TCP one when every stranger is
+  being closed already, sends the new connection :attr:`ConnectionGate.busy_frame` (encoded
+  once) and closes it, with nothing allocated for it.
 - *A stranger* (a connection whose HELLO has not succeeded): its frames may carry a control map
   of at most :data:`PRE_AUTH_CONTROL_BYTES` and no payload (:meth:`Admission.admit_header`), so
   a stranger makes the server buffer at most ``HEADER_BYTES + PRE_AUTH_CONTROL_BYTES``, for at
@@ -84,34 +88,71 @@ def request_buffer(nbytes: int) -> bytearray | mmap.mmap:
 
 
 class ConnectionGate:
-    """At most ``limit`` connections at once. Thread-safe (a lock around two integers)."""
+    """At most ``limit`` authenticated connections and ``strangers`` unauthenticated ones at
+    once, counted apart: strangers holding connections cannot lock out the peers that have
+    the token (issue 31). A connection enters as a stranger (:meth:`try_enter`) and becomes
+    an authenticated one when its HELLO succeeds (:meth:`promote`). Thread-safe (a lock
+    around a few integers)."""
 
-    def __init__(self, limit: int = DEFAULT_MAX_CONNECTIONS) -> None:
+    def __init__(self, limit: int = DEFAULT_MAX_CONNECTIONS, strangers: int | None = None) -> None:
         if limit <= 0:
             raise ValueError(f"max connections must be positive, got {limit}")
         self.limit = limit
+        self.stranger_limit = strangers if strangers is not None else max(1, limit // 4)
+        if self.stranger_limit <= 0:
+            raise ValueError(f"max strangers must be positive, got {self.stranger_limit}")
         self.open = 0
+        self.strangers = 0
         self.accepted = 0
         self.turned_away = 0
         self._lock = threading.Lock()
-        message = f"too many connections: this store serves at most {limit} at once; retry later"
+        self.busy_message = (
+            f"too many connections: this store serves at most {limit} at once and "
+            f"{self.stranger_limit} not yet authenticated; retry later"
+        )
         #: The ERROR frame a connection over the cap gets (request id 0: it sent nothing yet).
-        self.busy_frame = encode_error(0, ErrorCode.BUSY, message)
+        self.busy_frame = encode_error(0, ErrorCode.BUSY, self.busy_message)
 
     def try_enter(self) -> bool:
-        """Count one new connection in; False (and counted as turned away) when at the cap."""
+        """Count one new (unauthenticated) connection in; False (and counted as turned away)
+        when the strangers' cap is reached."""
         with self._lock:
             self.accepted += 1
-            if self.open >= self.limit:
+            if self.strangers >= self.stranger_limit:
                 self.turned_away += 1
                 return False
-            self.open += 1
+            self.strangers += 1
             return True
 
-    def leave(self) -> None:
-        """One connection let in by :meth:`try_enter` has ended."""
+    def enter_in_place(self) -> None:
+        """Count one new stranger in over the cap, in place of one being closed for it (it
+        leaves when its task ends)."""
         with self._lock:
-            self.open -= 1
+            self.strangers += 1
+            self.turned_away -= 1  # try_enter counted it, but it was let in
+
+    def promote(self) -> None:
+        """A stranger let in by :meth:`try_enter` has authenticated; ProtocolError BUSY (and
+        it stays a stranger) when the authenticated cap is reached."""
+        with self._lock:
+            if self.open >= self.limit:
+                self.turned_away += 1
+                raise ProtocolError(
+                    f"too many connections: this store serves at most {self.limit} "
+                    "authenticated connections at once; retry later",
+                    ErrorCode.BUSY,
+                )
+            self.strangers -= 1
+            self.open += 1
+
+    def leave(self, authenticated: bool) -> None:
+        """One connection let in by :meth:`try_enter` has ended (``authenticated``: it was
+        promoted)."""
+        with self._lock:
+            if authenticated:
+                self.open -= 1
+            else:
+                self.strangers -= 1
 
 
 class ByteBudget:
@@ -302,6 +343,7 @@ class Admission:
     def stats(self) -> dict[str, Any]:
         return {
             "max_connections": self.gate.limit,
+            "max_strangers": self.gate.stranger_limit,
             "accepted": self.gate.accepted,
             "turned_away": self.gate.turned_away,
             **self.budget.stats(),

@@ -21,7 +21,6 @@ from banaserve.kvstore.protocol import (
     MAX_KEYS_PER_FRAME,
     MAX_LEASE_MS,
     MAX_OWNER_CHARS,
-    MAX_SHM_NAME,
     MAX_WAIT_MS,
     MISSING,
     ErrorCode,
@@ -207,7 +206,8 @@ class Owner:
 
 @dataclass(frozen=True)
 class ShmSpec:
-    """A segment announcement {name, size}: the map itself, or the optional field ``name``."""
+    """A segment request {size}: the map itself, or the optional field ``name``. The server
+    creates and names the segment; a request that names one is refused (issue 31)."""
 
     name: str | None = None
 
@@ -218,10 +218,11 @@ class ShmSpec:
             return
         else:
             spec = _field(control, self.name, dict, op)
-        name = _field(spec, "name", str, op)
+        if "name" in spec:
+            raise ProtocolError(
+                f"{op.name}: the server names shared-memory segments; ask for a size only"
+            )
         size = _field(spec, "size", int, op)
-        if not name or len(name) > MAX_SHM_NAME or "/" in name.lstrip("/"):
-            raise ProtocolError(f"{op.name}: bad shared-memory name {name!r}")
         if not 0 < size <= limits.max_payload:
             raise ProtocolError(
                 f"{op.name}: shared-memory size {size} outside (0, {limits.max_payload}]"

@@ -38,7 +38,6 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 #: Keys per frame; a client splits bigger batches. 16384 keys stay far below the control limit.
 MAX_KEYS_PER_FRAME = 16384
 #: Longest shared-memory segment name accepted (POSIX allows 255 with the leading slash).
-MAX_SHM_NAME = 200
 
 #: GET reply size of a key that is missing (or not of the requested length).
 MISSING = -1
@@ -53,13 +52,16 @@ MAX_OWNER_CHARS = 256
 class Op(enum.IntEnum):
     """Operations, with their control maps (request -> reply). Keys are 32-byte bins.
 
-    HELLO       {version, token: str|nil, shm?: {name, size}} -> {version, server, max_payload,
-                shm: bool, tenant: str|nil}. The first frame of every connection; a wrong token
-                is an AUTH error. ``max_payload``: the most payload one frame of this client
-                may carry (it splits bigger batches). ``tenant``: the tenant a per-tenant token
-                grants; the server then maps every key of this connection into that tenant's
-                keyspace (see :mod:`banaserve.kvstore.auth`).
-    SHM_ATTACH  {name, size} -> {size}: replace this connection's shared-memory segment.
+    HELLO       {version, token: str|nil, shm?: {size}} -> {version, server, max_payload,
+                shm: {name, size}|false, tenant: str|nil}. The first frame of every
+                connection; a wrong token is an AUTH error. ``max_payload``: the most
+                payload one frame of this client may carry (it splits bigger batches).
+                ``tenant``: the tenant a per-tenant token grants; the server then maps every
+                key of this connection into that tenant's keyspace (see
+                :mod:`banaserve.kvstore.auth`).
+    SHM_ATTACH  {size} -> {name, size}: replace this connection's shared-memory segment. The
+                server creates each segment and names it; the client maps it by that name
+                and removes the name (see :mod:`banaserve.kvstore.segments`).
     EXISTS      {keys} -> {present: [bool]}.
     GET         {keys, lengths: [int], range: [offset, length]|nil, shm?: bool} ->
                 {sizes: [int], shm?: bool} + the found pages' bytes in key order. ``range``

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import mmap
 import socket
+import time
 from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
@@ -32,7 +33,7 @@ from banaserve.kvstore.protocol import (
     encode_error,
     unpack_control,
 )
-from banaserve.kvstore.server.shm import attach
+from banaserve.kvstore.segments import create_segment, destroy_segment
 from banaserve.kvstore.transport import aio
 
 #: A request's payload buffer: see :func:`banaserve.kvstore.admission.request_buffer`.
@@ -53,8 +54,8 @@ class FrameTimeout(ProtocolError):
 
 
 class Connection:
-    """Per-connection state of the TCP/shm server: the socket, what HELLO granted, the mapped
-    shared-memory segment (the client's: it unlinks it) and the budget the current request
+    """Per-connection state of the TCP/shm server: the socket, what HELLO granted, the
+    shared-memory segment it created for the client and the budget the current request
     holds. Touched only by its own task (and by :meth:`watch_eof`'s callback, which runs on
     the same loop); reading a frame waits on the peer, within the admission bounds."""
 
@@ -62,6 +63,9 @@ class Connection:
         self.sock = sock
         self.peer = peer
         self.authenticated = False
+        #: When it connected, and whether it was closed to make room for a newer stranger.
+        self.opened = time.monotonic()
+        self.evicted = False
         #: What the HELLO's token granted; every key this connection sends is mapped by it.
         self.grant: Grant = OPEN
         #: What the current request holds of the budget; released when it ends.
@@ -76,16 +80,18 @@ class Connection:
     def shm_size(self) -> int | None:
         return None if self.segment is None else self.segment.size
 
-    def attach_shm(self, name: str) -> int:
+    def create_shm(self, size: int) -> tuple[str, int]:
         self.detach()
-        self.segment = attach(name)
-        return self.segment.size
+        try:
+            self.segment = create_segment(size)
+        except OSError as exc:
+            raise ProtocolError(f"no shared-memory segment: {exc}", ErrorCode.SHM) from None
+        return self.segment.name, self.segment.size
 
     def detach(self) -> None:
         segment, self.segment = self.segment, None
         if segment is not None:
-            with contextlib.suppress(BufferError):
-                segment.close()  # the client owns the segment and unlinks it
+            destroy_segment(segment)  # the name too, if the client never mapped it
 
     async def read_frame(
         self, limits: Limits, admission: Admission, hello_timeout: float

@@ -92,9 +92,10 @@ class Session(Waiter, Protocol):
         """Bytes of the shared-memory segment this connection announced; None without one."""
         ...
 
-    def attach_shm(self, name: str) -> int:
-        """Map the client's segment ``name`` in place of any earlier one; its size. A
-        transport without shared memory raises ProtocolError."""
+    def create_shm(self, size: int) -> tuple[str, int]:
+        """Create a segment of ``size`` bytes for the client in place of any earlier one;
+        its (name, size). A transport without shared memory raises ProtocolError, and so
+        does a full /dev/shm."""
         ...
 
 
@@ -122,6 +123,9 @@ CLAIM_COUNTERS = (
     "cleared",  # pages dropped by CLEAR
     "claims_cleared",  # claims ended by CLEAR
 )
+#: What a tenant's STATS counts of its own requests (pages asked for and found, pages sent
+#: and stored, bytes sent).
+_TENANT_COUNTERS = ("get_pages", "get_hits", "put_pages", "put_stored", "put_bytes")
 
 
 class StoreOps:
@@ -159,6 +163,7 @@ class StoreOps:
         self.counters = {"requests": 0, "bytes_in": 0, "bytes_out": 0, "refused": 0}
         if claims is not None:
             self.counters.update(dict.fromkeys(CLAIM_COUNTERS, 0))
+        self._tenants: dict[str, dict[str, int]] = {}
         self._in_store = in_store
         self._describe = describe
         self._on_stored = on_stored
@@ -184,11 +189,11 @@ class StoreOps:
 
     async def hello(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
         session.grant = check_hello(control, session.authenticated, self.auth)
-        spec = control.get("shm")
-        if spec is not None:
-            session.attach_shm(spec["name"])
+        self.admission.gate.promote()
         session.authenticated = True
-        in_shm = session.shm_size is not None
+        spec = control.get("shm")
+        segment = None if spec is None else session.create_shm(spec["size"])
+        in_shm = segment is not None
         limits = self.config.limits
         return Reply(
             {
@@ -196,7 +201,7 @@ class StoreOps:
                 "server": SERVER_NAME,
                 # Over shm:// the pages cross the client's segment, not server buffers.
                 "max_payload": limits.max_payload if in_shm else self.admission.max_payload(limits),
-                "shm": in_shm,
+                "shm": {"name": segment[0], "size": segment[1]} if segment else False,
                 "tenant": session.grant.tenant,
             }
         )
@@ -204,7 +209,8 @@ class StoreOps:
     async def shm_attach(
         self, session: Session, control: dict[str, Any], data: memoryview
     ) -> Reply:
-        return Reply({"size": session.attach_shm(control["name"])})
+        name, size = session.create_shm(control["size"])
+        return Reply({"name": name, "size": size})
 
     async def exists(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
         return Reply({"present": await self._contains(control["keys"])})
@@ -213,6 +219,10 @@ class StoreOps:
         keys, lengths = control["keys"], control["lengths"]
         views = await self._in_store(read_pages, self.store, keys, lengths, control.get("range"))
         sizes = [MISSING if v is None else v.nbytes for v in views]
+        if session.grant.tenant is not None:
+            tally = self._tenant_tally(session.grant.tenant)
+            tally["get_pages"] += len(keys)
+            tally["get_hits"] += sum(v is not None for v in views)
         return Reply({"sizes": sizes}, [v for v in views if v is not None])
 
     async def put(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
@@ -220,7 +230,13 @@ class StoreOps:
         try:
             values = split_pages(data, control["sizes"])
             del data  # no view of the payload outlives the request (its buffer may be a mapping)
-            return Reply({"stored": await self._in_store(put_pages, self.store, keys, values)})
+            stored = await self._in_store(put_pages, self.store, keys, values)
+            if session.grant.tenant is not None:
+                tally = self._tenant_tally(session.grant.tenant)
+                tally["put_pages"] += len(keys)
+                tally["put_stored"] += sum(stored)
+                tally["put_bytes"] += sum(control["sizes"])
+            return Reply({"stored": stored})
         finally:
             # Stored or refused (too big), or the store failed: either way the computation
             # behind the claim is over, so its waiters look again (and claim it if missing).
@@ -230,7 +246,22 @@ class StoreOps:
                 self._on_stored(list(keys))
 
     async def stats(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
-        return Reply({"store": asdict(self.store.stats()), "server": self.info()})
+        tenant = session.grant.tenant
+        if tenant is None:
+            return Reply({"store": asdict(self.store.stats()), "server": self.info()})
+        # A tenant sees its own requests only: the store's totals and the server's process
+        # would tell it about the other tenants (issue 31).
+        server = {"version": PROTOCOL_VERSION, "tenant": tenant,
+                  "max_payload": self.admission.max_payload(self.config.limits),
+                  **self._tenant_tally(tenant)}  # fmt: skip
+        return Reply({"store": {}, "server": server})
+
+    def _tenant_tally(self, tenant: str) -> dict[str, int]:
+        """The counters of ``tenant``'s own GETs and PUTs (for its STATS)."""
+        tally = self._tenants.get(tenant)
+        if tally is None:
+            tally = self._tenants[tenant] = dict.fromkeys(_TENANT_COUNTERS, 0)
+        return tally
 
     async def lookup(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
         if self.claims is None:

@@ -1,40 +1,19 @@
-"""The server's side of ``shm://``: mapping a client's segment, and copying GET replies into it.
+"""The server's side of ``shm://``: copying GET replies into a connection's segment.
 
-The client creates and owns each segment (:mod:`banaserve.kvstore.transport.shm`); the server
-maps it without adopting it and never unlinks it. Page bytes cross through the segment, so a
-shm request makes the server allocate no payload buffer.
+The server creates each segment and the client maps it (:mod:`banaserve.kvstore.segments`).
+Page bytes cross through the segment, so a shm request makes the server allocate no payload
+buffer.
 """
 
 from __future__ import annotations
 
-import contextlib
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
-from banaserve.kvstore.protocol import ErrorCode, ProtocolError
+from banaserve.kvstore.protocol import ProtocolError
 
 #: Bytes a pipelined shm GET copies between updates of the progress word.
 SHM_CHUNK_BYTES = 256 << 10
-
-
-def attach(name: str) -> shared_memory.SharedMemory:
-    """Map a client's segment without adopting it: the client unlinks it, not this process."""
-    try:
-        segment = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError:
-        raise ProtocolError(
-            f"shared-memory segment {name!r} not found: shm:// needs the store server on the "
-            "same host as the client (use tcp:// across hosts)",
-            ErrorCode.SHM,
-        ) from None
-    except OSError as exc:
-        message = f"cannot map shared-memory segment {name!r}: {exc}"
-        raise ProtocolError(message, ErrorCode.SHM) from None
-    # Python < 3.13 registers every attached segment with this process's resource tracker,
-    # which would unlink the client's segment when the server exits.
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    return segment
 
 
 def progress_offset(value: Any, segment: shared_memory.SharedMemory) -> int | None:

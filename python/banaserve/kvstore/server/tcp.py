@@ -42,6 +42,7 @@ from banaserve.kvstore.protocol import (
     Header,
     Op,
     ProtocolError,
+    encode_error,
     encode_head,
 )
 from banaserve.kvstore.server.conn import Connection, Payload, close_politely, forget_frames
@@ -94,6 +95,9 @@ class KvStoreServer:
         self._accept_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._turning_away: set[asyncio.Task[None]] = set()
+        self._evicted_frame = encode_error(
+            0, ErrorCode.BUSY, "closed to make room: too many unauthenticated connections"
+        )
         self._connections: set[Connection] = set()
         self._executor = ThreadPoolExecutor(
             self.config.store_threads, thread_name_prefix="kvstore-store"
@@ -166,18 +170,37 @@ class KvStoreServer:
                 continue
             sock.setblocking(False)
             if not self.admission.gate.try_enter():
-                self._turn_away(sock, f"{peer[0]}:{peer[1]}")
-                continue
+                if not self._evict_oldest_stranger():
+                    self._turn_away(sock, f"{peer[0]}:{peer[1]}")
+                    continue
+                self.admission.gate.enter_in_place()
             tune_socket(sock)
             task = loop.create_task(self._serve(sock, f"{peer[0]}:{peer[1]}"))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _evict_oldest_stranger(self) -> bool:
+        """Close the connection that has waited longest without authenticating, to make room
+        for a new one: strangers that hold their slots idle cannot lock out a peer with the
+        token, whose HELLO follows its connect at once. False if none is left to close."""
+        strangers = [c for c in self._connections if not c.authenticated and not c.evicted]
+        if not strangers:
+            return False
+        oldest = min(strangers, key=lambda c: c.opened)
+        oldest.evicted = True
+        logger.info("closing %s: the oldest of %d unauthenticated connections", oldest.peer,
+                    len(strangers))  # fmt: skip
+        with contextlib.suppress(OSError):  # a fresh socket's buffer takes the tiny frame
+            oldest.sock.send(self._evicted_frame)
+            oldest.sock.shutdown(socket.SHUT_RDWR)  # its task sees the end and leaves the gate
+        return True
+
     def _turn_away(self, sock: socket.socket, peer: str) -> None:
         """A connection over the cap: BUSY and closed, with nothing allocated for it beyond
         the task that drains it before the close (past MAX_TURNING_AWAY of those, not even
         that: the ERROR is sent at once, and the connection closed)."""
-        logger.info("turning %s away: %d connections open", peer, self.admission.gate.limit)
+        gate = self.admission.gate
+        logger.info("turning %s away: %d strangers open", peer, gate.stranger_limit)
         if len(self._turning_away) >= MAX_TURNING_AWAY:
             with contextlib.suppress(OSError):  # a fresh socket's buffer takes the tiny frame
                 sock.send(self.admission.gate.busy_frame)
@@ -210,7 +233,7 @@ class KvStoreServer:
             # Only now: a failed request's buffers lived on in its traceback until
             # _conversation returned, and the budget must cover them until they are gone.
             conn.ticket.release()
-            self.admission.gate.leave()
+            self.admission.gate.leave(conn.authenticated)
 
     async def _conversation(self, conn: Connection) -> tuple[ErrorCode, str] | None:
         """Serve ``conn`` until it closes or fails; what to refuse it with, if anything."""

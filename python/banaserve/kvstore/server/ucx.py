@@ -238,9 +238,7 @@ class UcxListenerHandle:
         conn.sends.append((handshake, id_buf))
         conn.bye = ep.tag_recv(as_array(conn.bye_buf), libucxx.UCXXTag(tag(conn_id, Kind.BYE)))
         if not admitted:  # over the cap: the client reads this ERROR as the reply to its HELLO
-            limit = self.admission.gate.limit
-            message = f"too many connections: this store serves at most {limit} at once"
-            self._refuse(conn, ErrorCode.BUSY, message + "; retry later")
+            self._refuse(conn, ErrorCode.BUSY, self.admission.gate.busy_message)
             return
         self._post_header(conn)
 
@@ -417,7 +415,7 @@ class UcxListenerHandle:
         if self._conns.pop(conn.id, None) is None:
             return
         if conn.admitted:
-            self.admission.gate.leave()
+            self.admission.gate.leave(conn.authenticated)
         conn.wanted = None
         with contextlib.suppress(Exception):
             # Not close(): that leaves the receives posted on the endpoint in place, so a

@@ -52,7 +52,7 @@ class UcxConn:
     def shm_size(self) -> int | None:
         return None
 
-    def attach_shm(self, name: str) -> int:
+    def create_shm(self, size: int) -> tuple[str, int]:
         raise ProtocolError("HELLO: shared memory is not offered over ucx://", ErrorCode.SHM)
 
     def watch_eof(self, on_gone: Callable[[], None]) -> Callable[[], None]:

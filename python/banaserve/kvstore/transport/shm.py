@@ -1,10 +1,11 @@
 """``shm://``: control frames over TCP, page bytes through a shared-memory segment.
 
-For a server on the same host. The client creates the segment, announces it in HELLO, and
-owns it: it grows it (a new, larger segment announced with SHM_ATTACH) when a request needs
-more. Once the server has mapped a segment, the client unlinks its name: the memory lives
-while either side has it mapped and goes back to the kernel when both are gone, even if the
-client is killed (a named segment would stay in /dev/shm, holding RAM, until reboot).
+For a server on the same host. The client asks for a segment in HELLO, and the server creates
+it and names it in its reply (see :mod:`banaserve.kvstore.segments`); when a request needs
+more, the client asks for a larger one with SHM_ATTACH. The client maps each segment and
+removes its name: the memory lives while either side has it mapped and goes back to the
+kernel when both are gone, even if one is killed (a named segment would stay in /dev/shm,
+holding RAM, until reboot).
 One request at a time uses the segment (a transport is driven by one thread), so the layout
 is simply: request payload, or reply payload, from offset 0.
 A PUT copies the caller's buffers into the segment and the server reads them from there.
@@ -23,7 +24,6 @@ client copies it out after the reply.
 
 from __future__ import annotations
 
-import os
 import platform
 import select
 import time
@@ -32,7 +32,8 @@ from multiprocessing import shared_memory
 from typing import Any
 
 from banaserve.kvstore.op_specs import payload_bytes
-from banaserve.kvstore.protocol import Op, ProtocolError
+from banaserve.kvstore.protocol import ErrorCode, Op, ProtocolError
+from banaserve.kvstore.segments import destroy_segment, open_segment
 from banaserve.kvstore.transport.base import Address, Sink
 from banaserve.kvstore.transport.tcp import TcpTransport, _sink_targets
 
@@ -44,42 +45,6 @@ PROGRESS_TAIL = 64
 PIPELINE_GET = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 #: Spins on the progress word before the client starts sleeping in select() between checks.
 _SPINS = 20_000
-
-
-def create_segment(size: int) -> shared_memory.SharedMemory:
-    """A new segment of ``size`` bytes with its memory reserved.
-
-    Reserving up front (posix_fallocate) turns a full /dev/shm into an OSError here, instead
-    of a SIGBUS on first touch that would kill the process.
-    """
-    segment = shared_memory.SharedMemory(create=True, size=size)
-    fd = getattr(segment, "_fd", -1)
-    if fd >= 0 and hasattr(os, "posix_fallocate"):
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            destroy_segment(segment)
-            raise OSError(
-                exc.errno, f"cannot reserve {size} bytes of shared memory (/dev/shm full?)"
-            ) from exc
-    return segment
-
-
-def unlink_name(segment: shared_memory.SharedMemory) -> None:
-    """Remove the segment's name from /dev/shm (once); mappings stay valid."""
-    try:
-        segment.unlink()  # also drops it from this process's resource tracker
-    except FileNotFoundError:
-        pass
-
-
-def destroy_segment(segment: shared_memory.SharedMemory) -> None:
-    """Unmap and unlink; never raises (a lingering view only delays the unmap to GC)."""
-    try:
-        segment.close()
-    except BufferError:
-        pass
-    unlink_name(segment)
 
 
 class ShmTransport(TcpTransport):
@@ -94,16 +59,19 @@ class ShmTransport(TcpTransport):
         return self._segment.size if self._segment is not None else 0
 
     def connect(self, token: str | None) -> dict[str, Any]:
-        self._segment = create_segment(INITIAL_SEGMENT_BYTES)
-        reply = super().connect(token)  # closes (and unlinks) on failure
-        unlink_name(self._segment)  # the server mapped it in HELLO
+        reply = super().connect(token)  # closes on failure
+        offered = reply.get("shm")
+        try:
+            if not isinstance(offered, dict):
+                raise ProtocolError(f"{self.address.url} offers no shared memory", ErrorCode.SHM)
+            self._segment = open_segment(offered.get("name"), offered.get("size"))
+        except BaseException:
+            self.close()
+            raise
         return reply
 
     def _hello(self, token: str | None) -> dict[str, Any]:
-        hello = super()._hello(token)
-        assert self._segment is not None
-        hello["shm"] = {"name": self._segment.name, "size": self._segment.size}
-        return hello
+        return {**super()._hello(token), "shm": {"size": INITIAL_SEGMENT_BYTES}}
 
     def request(
         self,
@@ -200,13 +168,8 @@ class ShmTransport(TcpTransport):
             return
         size = max(nbytes, 2 * self._segment.size)
         size = min(-(-size // _GROWTH_ALIGN) * _GROWTH_ALIGN, max(self.max_payload, nbytes))
-        segment = create_segment(size)
-        try:
-            super().request(Op.SHM_ATTACH, {"name": segment.name, "size": segment.size})
-        except BaseException:
-            destroy_segment(segment)
-            raise
-        unlink_name(segment)
+        offered = super().request(Op.SHM_ATTACH, {"size": size})
+        segment = open_segment(offered.get("name"), size)
         old, self._segment = self._segment, segment
         destroy_segment(old)
 
