@@ -17,6 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from banaserve.api.host_names import allowed_host_names
 from banaserve.api.request_limits import RequestLimits
 from banaserve.config.cli import (
     ClusterOptions,
@@ -160,6 +161,7 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
         env=env,
         argv=list(argv),
         flags=EngineFlags.from_namespace(args),
+        allowed_hosts=allowed_host_names(args.host, args.allowed_hosts.split(",")),
     )
 
 
@@ -217,7 +219,9 @@ def attach_kv_store(options: KvStoreOptions) -> tuple[ManagedProcess | None, lis
     return process, hicache_args(options, urls)
 
 
-def add_request_checks(served_names: list[str], limits: RequestLimits) -> None:
+def add_request_checks(
+    served_names: list[str], limits: RequestLimits, allowed_hosts: frozenset[str] | None = None
+) -> None:
     """The request guard on SGLang's app, and the token-id check where SGLang tokenises.
     SGLang's CORS middleware (any origin, with credentials: a page on any site the user
     visits may read this server's answers) is taken out: no route here is meant for browsers
@@ -226,10 +230,12 @@ def add_request_checks(served_names: list[str], limits: RequestLimits) -> None:
     from sglang.srt.entrypoints.http_server import app
 
     from banaserve.server import token_id_check
+    from banaserve.server.host_check import HostCheck
     from banaserve.server.request_guard import RequestGuard
 
     app.user_middleware = [m for m in app.user_middleware if m.cls is not CORSMiddleware]
     app.add_middleware(RequestGuard, served_names=served_names, limits=limits)
+    app.add_middleware(HostCheck, allowed=allowed_hosts)  # added last: runs first
     token_id_check.install()
 
 
@@ -287,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         server_args = prepare_server_args(sglang_argv)
         if needs_private_rendezvous(server_args.nnodes, server_args.dist_init_addr):
             rendezvous = PrivateRendezvous(server_args.port)
-        add_request_checks(plan.served_names, plan.request_limits)
+        add_request_checks(plan.served_names, plan.request_limits, plan.allowed_hosts)
         if MOVABLE_ENV in plan.env:
             from banaserve.server.boundary_route import add_boundary_route
 

@@ -75,6 +75,22 @@ def test_a_request_without_the_key_is_refused(cluster: Cluster) -> None:
     assert call(cluster, "GET", "/metrics", None).status_code == 200
 
 
+def test_other_host_names_are_refused(cluster: Cluster) -> None:
+    """DNS rebinding (issue 31): before, the gateway served any Host header."""
+    port = cluster.url.rsplit(":", 1)[1]
+    body = {"text": "Hello", "sampling_params": GREEDY}
+
+    def post(path: str, host: str, headers: dict[str, str]) -> requests.Response:
+        return requests.post(f"{cluster.url}{path}", json=body, timeout=300,
+                             headers={**headers, "Host": host})  # fmt: skip
+
+    answer = post("/generate", f"evil.example:{port}", AUTH)
+    assert answer.status_code == 400 and "evil.example" in answer.json()["message"]
+    assert post("/flush_cache", "evil.example", ADMIN).status_code == 400
+    served = post("/generate", f"localhost:{port}", AUTH)
+    assert served.status_code == 200, served.text
+
+
 def test_with_the_key_the_cluster_serves_as_one_instance(cluster: Cluster, server: Server) -> None:
     handoffs = state(cluster)["gateway"]["handoffs"]
     for prompt in ["The quick brown fox", long_prompt(seed=731)]:  # direct, then a handoff

@@ -140,6 +140,19 @@ def test_every_listener_binds_loopback(server: Server) -> None:
     assert not_on_loopback(listeners) == {}
 
 
+def test_other_host_names_are_refused(server: Server) -> None:
+    """DNS rebinding (issue 31): a page whose name resolves to 127.0.0.1 reaches a loopback
+    server with its own name in the Host header. Before, any Host was served."""
+    port = server.url.rsplit(":", 1)[1]
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
+    for host, status in ((f"evil.example:{port}", 400), (f"localhost:{port}", 200)):
+        answer = requests.post(f"{server.url}/generate", json=body, headers={"Host": host},
+                               timeout=60)  # fmt: skip
+        assert answer.status_code == status, (host, answer.text)
+    refused = requests.get(f"{server.url}/v1/models", headers={"Host": "evil.example"}, timeout=30)
+    assert refused.status_code == 400 and "evil.example" in refused.json()["message"]
+
+
 def test_health_models_and_metrics(server: Server) -> None:
     assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
     models = requests.get(f"{server.url}/v1/models", timeout=10).json()

@@ -54,6 +54,7 @@ from banaserve.cluster.credentials import (
     redacted_server_info,
 )
 from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
+from banaserve.cluster.host_guard import host_guard
 from banaserve.cluster.http_errors import error_response, unavailable
 from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
 from banaserve.cluster.load_board import InstanceGone, LoadBoard
@@ -105,8 +106,10 @@ class Gateway:
         serve_on_spare_prefill: bool = SERVE_ON_SPARE_PREFILL,
         api_key: str | None = None,
         admin_token: str | None = None,
+        allowed_hosts: frozenset[str] | None = None,
     ) -> None:
         self.board = board
+        self.allowed_hosts = allowed_hosts  # None: any Host header (see api.host_names)
         self.api_key = api_key  # --api-key: asked of clients, sent to the instances
         # Needed for admin calls, here and on the instances (a random one when not given).
         self.admin_token = admin_token or secrets.token_urlsafe(24)
@@ -128,7 +131,7 @@ class Gateway:
         # aiohttp's own limit only backs up the check in _read_body (same bound, our message).
         app = web.Application(
             client_max_size=self.intake.limits.max_body_bytes + 1,
-            middlewares=[authorize(self.api_key, self.admin_token)],
+            middlewares=[host_guard(self.allowed_hosts), authorize(self.api_key, self.admin_token)],
         )
         for path in GENERATION_PATHS:
             app.router.add_post(path, self.handle_generation)

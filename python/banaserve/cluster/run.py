@@ -181,6 +181,7 @@ def run_cluster(plan: LaunchConfig) -> None:
             serve_gateway(
                 processes, specs, options, urls, token, model_path,
                 args.host, args.port, ledger, lending, args.api_key, admin_token,
+                plan.allowed_hosts,
             )
         )  # fmt: skip
     finally:
@@ -226,7 +227,7 @@ async def serve_gateway(
     processes: ClusterProcesses, specs: list[Any], options: ClusterOptions, urls: list[str],
     token: str | None, model_path: str, host: str, port: int, ledger: LeftoverLedger,
     lending: LayerLending | None = None, api_key: str | None = None,
-    admin_token: str | None = None,
+    admin_token: str | None = None, allowed_hosts: frozenset[str] | None = None,
 ) -> None:  # fmt: skip
     import aiohttp
 
@@ -288,6 +289,7 @@ async def serve_gateway(
         serve_on_spare_prefill=options.serve_on_spare_prefill,
         api_key=api_key,
         admin_token=admin_token,
+        allowed_hosts=allowed_hosts,
     )
     # A client that leaves cancels its handler: its upstream connection closes, and SGLang
     # aborts the request (a non-streaming one would otherwise generate to its end, for no one).

@@ -84,6 +84,8 @@ class LaunchConfig:
     env: dict[str, str] = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)
     flags: EngineFlags | None = None
+    #: The names the server answers to in the Host header; None: any.
+    allowed_hosts: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,14 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_SEQUENCES,
         help="Most sequences one request may generate: its batch of prompts times n "
         f"(default: {DEFAULT_MAX_SEQUENCES}).",
+    )
+    group.add_argument(
+        "--allowed-hosts",
+        default="",
+        metavar="NAME[,NAME...]",
+        help="The host names clients reach this server by, checked against each request's "
+        "Host header (DNS rebinding); loopback names are always allowed. Default: on a "
+        "loopback --host, the loopback names only; on any other --host, any name.",
     )
     add_pipeline_args(parser.add_argument_group("BanaServe pipeline parallelism"))
     store = parser.add_argument_group("BanaServe KV store")
