@@ -211,6 +211,11 @@ class Supervisor:
         while process.alive() and child.process is process:
             with contextlib.suppress(Exception):
                 if await self.ready(child):
+                    if self.ledger is not None:
+                        # A run makes its last shm files just before it is ready (measured:
+                        # a semaphore ~4 s before); a kill before the next periodic scan
+                        # would leave them unattributed.
+                        await asyncio.to_thread(self.ledger.scan)
                     state.phase = "running"
                     if child.url is not None:
                         self.board.revive(child.url)
