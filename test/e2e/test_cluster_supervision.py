@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -130,6 +131,15 @@ def test_a_killed_decode_instance_is_restarted_and_leaves_nothing(
     assert orphan_shm_files(shm_before) == set()
     # A run's rendezvous folder is removed by the next run when the first is killed.
     assert dead_rendezvous_runs() == []
+
+
+def test_the_cluster_logs_are_readable_by_their_user_only(cluster: Cluster) -> None:
+    """SGLang prints every server argument to its log, the admin token among them."""
+    logs = sorted(cluster.log_dir.glob("*.log"))
+    assert len(logs) >= 3, logs  # the instances' and the reaper's at least
+    assert {log.name: stat.S_IMODE(log.stat().st_mode) for log in logs} == {
+        log.name: 0o600 for log in logs
+    }
 
 
 def test_a_killed_launcher_leaves_nothing_behind(cluster: Cluster) -> None:

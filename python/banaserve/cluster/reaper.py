@@ -14,13 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from banaserve.utils.processes import open_private_log
+
 
 class Reaper:
     """The reaper process, owned by the launcher: :meth:`stop` (a clean exit) makes it clean
     up and exit at once; if the launcher dies first, it does so by itself."""
 
     def __init__(self, ledger: Path, log_path: Path) -> None:
-        with open(log_path, "ab") as log:
+        with open_private_log(log_path) as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "banaserve.cluster.reaper", str(ledger)],
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,15 @@ def checked_boundary(boundary: object, lowest: int, layers: int) -> int:
         raise ValueError(f"boundary {boundary} is out of range: this instance moves it between "
                          f"{lowest} and {layers}")  # fmt: skip
     return boundary
+
+
+def make_private_dir(folder: Path) -> None:
+    """Create ``folder`` (in a shared place: /dev/shm) readable by this user only; refuse one
+    that exists and is not so (another user made it first, or it is a link)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{folder} exists and is not a private folder of this user")
 
 
 def split_dir_for(pid: int) -> Path:
@@ -93,7 +103,7 @@ class BoundaryControl:
                  num_layers: int = 0) -> None:  # fmt: skip
         path = Path(split_dir) / _RECORD
         if create:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dir(path.parent)
             path.write_bytes(struct.pack(_FORMAT, boundary, boundary, 0, 0, num_layers))
         fd = os.open(path, os.O_RDWR)
         try:

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 #: Where :func:`free_port` looks first: below Linux's default ephemeral range (32768-60999).
 LISTEN_PORTS = range(20000, 32768)
@@ -90,6 +91,12 @@ def tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def open_private_log(path: Path) -> BinaryIO:
+    """``path`` opened for appending, created readable by this user only: a server's log
+    holds its arguments (SGLang prints every one, the admin token among them)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+
+
 class ManagedProcess:
     """One child process with its own log file.
 
@@ -114,8 +121,8 @@ class ManagedProcess:
         self.env = dict(os.environ if env is None else env)
         self.cwd = cwd
         self.die_with_parent = die_with_parent
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._log = open_private_log(log_path)
         self.log_offset = self._log.tell()  # where this run's output starts
         self.started_at = time.monotonic()
         self.process = subprocess.Popen(
