@@ -61,6 +61,9 @@ from compare_systems import BENCH_ADMIN_TOKEN, banaserve_env  # noqa: E402
 PILL = "RELIABILITY-POISON-PILL"
 START_TIMEOUT_S = 900.0
 RESTART_TIMEOUT_S = 300.0
+#: The gateway's --client-header-timeout and --client-body-timeout here (60 s by default):
+#: short, so that the slow-client probe waits seconds.
+CLIENT_TIMEOUT_S = 5
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
 WORDS = "river stone light quiet market window garden paper engine silver morning".split()
 
@@ -114,6 +117,8 @@ class Cluster:
             "--max-total-tokens", "16384", "--cluster-log-dir", str(self.log_dir),
             "--kv-store", ",".join(url for _, url in self.shards),
             "--kv-store-replication", "2", "--cpu-affinity",
+            "--client-header-timeout", str(CLIENT_TIMEOUT_S),
+            "--client-body-timeout", str(CLIENT_TIMEOUT_S),
         ]  # fmt: skip
         env = dict(env, OMP_NUM_THREADS="1", **{CRASH_ON_TEXT_ENV: PILL})
         self.launcher = ManagedProcess("cluster", argv, out / "gateway.log", env=env)

@@ -8,19 +8,24 @@ its cluster after the bad-input probes:
   instances (SGLang's abort counter), not generated to the end;
 - admin calls without the admin token: 401; ``/cluster`` without it shows no process ids;
 - decode-0's scheduler stopped (SIGSTOP): requests sent meanwhile are served elsewhere,
-  decode-0 leaves routing and returns after SIGCONT.
+  decode-0 leaves routing and returns after SIGCONT;
+- every socket the cluster's processes listen on is on loopback (torch.distributed's
+  rendezvous included), and a request for another host name (DNS rebinding) gets 400 at
+  the gateway and at each instance;
+- a client whose request head or body never ends is cut off (closed; 408).
 """
 
 from __future__ import annotations
 
 import re
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import requests
 
-from reliability import Cluster, Probe, prompt
+from reliability import CLIENT_TIMEOUT_S, Cluster, Probe, prompt
 
 OOV_BODIES = [
     ("PUT", "/generate", {"input_ids": [5, 99999999]}),
@@ -115,7 +120,48 @@ def stuck_instance_probe(cluster: Cluster) -> Probe:
     )
 
 
+def listeners_probe(cluster: Cluster) -> Probe:
+    root = psutil.Process(cluster.launcher.pid)
+    wide = sorted(
+        f"{p.name()}:{c.laddr.ip}:{c.laddr.port}"
+        for p in [root, *root.children(recursive=True)]
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.ip != "127.0.0.1"
+    )  # fmt: skip
+    return Probe("listeners_on_loopback", not wide, f"beyond loopback: {wide or 'none'}")
+
+
+def host_header_probe(cluster: Cluster) -> Probe:
+    urls = [cluster.url, *(i["url"] for i in cluster.state()["instances"])]
+    statuses = [requests.post(f"{url}/generate", json={"text": "hi"}, timeout=60,
+                              headers={"Host": "evil.example"}).status_code
+                for url in urls]  # fmt: skip
+    return Probe("host_header_checked", set(statuses) == {400},
+                 f"Host: evil.example -> {statuses}")  # fmt: skip
+
+
+def slow_client_probe(cluster: Cluster) -> Probe:
+    """A head that never ends loses its connection, a body that never ends gets 408."""
+    head = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{cluster.port}\r\n"
+            "Content-Type: application/json\r\n").encode()  # fmt: skip
+    answers = []
+    for sent in (head, head + b'Content-Length: 100\r\n\r\n{"text":'):
+        with socket.create_connection(("127.0.0.1", cluster.port)) as conn:
+            conn.settimeout(CLIENT_TIMEOUT_S * 6)
+            conn.sendall(sent)
+            try:
+                answers.append(conn.recv(4096))  # until the gateway answers or closes
+            except TimeoutError:
+                answers.append(b"still open")
+    served = cluster.generate(prompt(43)).status_code == 200
+    ok = answers[0] == b"" and answers[1].startswith(b"HTTP/1.1 408") and served
+    shown = [a.split(b"\r\n", 1)[0].decode(errors="replace") or "closed" for a in answers]
+    return Probe("slow_clients_cut_off", ok, f"partial head, partial body -> {shown}; "
+                 f"served after: {served}")  # fmt: skip
+
+
 def round_two_probes(cluster: Cluster) -> list[Probe]:
     return [oov_routes_probe(cluster), value_bounds_probe(cluster),
             abandoned_clients_probe(cluster), admin_probe(cluster),
-            stuck_instance_probe(cluster)]  # fmt: skip
+            stuck_instance_probe(cluster), listeners_probe(cluster),
+            host_header_probe(cluster), slow_client_probe(cluster)]  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from banaserve.cluster.client_guard import CappedSite, gateway_runner
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.topology import DECODE, PREFILL, InstanceSpec
@@ -47,10 +49,11 @@ async def gateway_for(
         board, make_policy("round_robin", PREFILL), make_policy("round_robin", DECODE),
         placer=Placer(handoff_min_tokens=10), **{"admin_token": ADMIN_TOKEN, **options},
     )  # fmt: skip
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True)  # as cluster/run.py
+    runner = gateway_runner(gateway.app(), gateway.client_limits)  # as cluster/run.py
     await runner.setup()
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    cap = gateway.client_limits.connections(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    await CappedSite(runner, "127.0.0.1", port, cap).start()
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

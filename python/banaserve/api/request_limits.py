@@ -34,7 +34,8 @@ MAX_GRAMMAR_BYTES = 64 << 10
 
 JSON_MEDIA_TYPE = "application/json"
 #: The ``type`` of an error body, by status, as SGLang's OpenAI server names them.
-ERROR_KINDS = {404: "NotFoundError", 413: "PayloadTooLargeError", 415: "UnsupportedMediaTypeError"}
+ERROR_KINDS = {404: "NotFoundError", 408: "RequestTimeoutError", 413: "PayloadTooLargeError",
+               415: "UnsupportedMediaTypeError"}  # fmt: skip
 
 
 @dataclass(frozen=True)

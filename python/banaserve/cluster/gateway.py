@@ -14,7 +14,8 @@ Per generation request (``/generate``, ``/v1/completions``, ``/v1/chat/completio
 
 Before either step, :mod:`banaserve.cluster.intake` decodes and checks the body off the event
 loop (a 4xx that names the limit, or 503 when the intake is full), and a body quarantined by
-:mod:`banaserve.cluster.poison` is refused.
+:mod:`banaserve.cluster.poison` is refused. Bodies and whole answers are held within the
+budget of :mod:`banaserve.cluster.client_guard` (503 beyond it).
 
 Faults: an instance that refuses connections leaves routing at once, one whose polls fail
 within a few seconds (:mod:`banaserve.cluster.load_board`). A request that never reached an
@@ -40,10 +41,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from banaserve.api.request_limits import RequestRejected, check_body_size, check_content_type
+from banaserve.api.request_limits import RequestRejected
 from banaserve.api.request_validation import GENERATION_PATHS
 from banaserve.cluster import cache_admin
 from banaserve.cluster.cache_admin import ClearStore
+from banaserve.cluster.client_guard import HOLDING, ByteBudget, read_body, read_within
 from banaserve.cluster.counters import GatewayCounters, multi_turn_state
 from banaserve.cluster.credentials import (
     IS_ADMIN,
@@ -62,6 +64,7 @@ from banaserve.cluster.migration_loop import MigrationLoop
 from banaserve.cluster.poison import PoisonGuard
 from banaserve.cluster.prometheus import render_metrics
 from banaserve.cluster.relay_bodies import StreamTail, prefill_body, whole_reply_prompt_tokens
+from banaserve.config.client_limits import ClientLimits
 from banaserve.router.base import NoHealthyInstance, Policy, Role
 from banaserve.router.placement import Placement, Placer
 from banaserve.router.request_shape import RequestShape
@@ -107,7 +110,10 @@ class Gateway:
         api_key: str | None = None,
         admin_token: str | None = None,
         allowed_hosts: frozenset[str] | None = None,
+        client_limits: ClientLimits | None = None,
     ) -> None:
+        self.client_limits = client_limits if client_limits is not None else ClientLimits()
+        self.buffers = ByteBudget(self.client_limits.buffer_budget_bytes)
         self.board = board
         self.allowed_hosts = allowed_hosts  # None: any Host header (see api.host_names)
         self.api_key = api_key  # --api-key: asked of clients, sent to the instances
@@ -128,10 +134,14 @@ class Gateway:
     # -- app ---------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        # aiohttp's own limit only backs up the check in _read_body (same bound, our message).
+        # aiohttp's own limit bounds the other routes' bodies (read_body the generation ones').
         app = web.Application(
             client_max_size=self.intake.limits.max_body_bytes + 1,
-            middlewares=[host_guard(self.allowed_hosts), authorize(self.api_key, self.admin_token)],
+            middlewares=[
+                host_guard(self.allowed_hosts),
+                authorize(self.api_key, self.admin_token),
+                self.buffers.middleware(),
+            ],
         )
         for path in GENERATION_PATHS:
             app.router.add_post(path, self.handle_generation)
@@ -167,7 +177,7 @@ class Gateway:
     async def handle_generation(self, request: web.Request) -> web.StreamResponse:
         self.counters.requests += 1
         try:
-            raw = await self._read_body(request)
+            raw = await read_body(request, self.intake.limits, self.client_limits.body_timeout_s)
             admitted = await self.intake.admit(request.path, raw)
         except RequestRejected as exc:
             self.counters.rejected += 1
@@ -206,18 +216,6 @@ class Gateway:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(followed.wait(), FOLLOW_WAIT_S)
         return await self._decode(request, admitted, raw, placement)
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The body, refused (413/415) from its headers before any of it is read."""
-        check_content_type(request.headers.get("Content-Type"))
-        if request.content_length is not None:
-            check_body_size(request.content_length, self.intake.limits)
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:  # chunked, without a length up front
-            check_body_size(exc.actual_size or self.intake.limits.max_body_bytes + 1,
-                            self.intake.limits)  # fmt: skip
-            raise
 
     async def _prefill(self, admitted: Admitted) -> web.Response | None:
         """Run the prompt on a prefill instance. Returns the response to give the client when
@@ -343,7 +341,11 @@ class Gateway:
         async with upstream:
             content_type = upstream.headers.get("Content-Type", JSON)
             if "text/event-stream" not in content_type:
-                data = await self.board.race(upstream.read(), url)
+                if upstream.content_length is not None:
+                    request[HOLDING].check(upstream.content_length)
+                data = await self.board.race(
+                    read_within(upstream.content.iter_any(), request[HOLDING]), url
+                )
                 await self.failover.raise_if_died(url, pid, upstream.status)
                 if upstream.status == 200:
                     counts = whole_reply_prompt_tokens(shape.path, data)

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from banaserve.api.request_limits import ModelLimits
+from banaserve.cluster.client_guard import CappedSite, gateway_runner
 from banaserve.cluster.credentials import admin_token_for, bearer
 from banaserve.cluster.gateway import Gateway
 from banaserve.cluster.intake import Intake, load_tokenizer, model_vocab_size
@@ -53,6 +52,7 @@ from banaserve.config.cli import (
     cpu_dtype,
     drop_flags,
 )
+from banaserve.config.client_limits import raise_descriptor_limit
 from banaserve.config.pipeline_options import BOUNDARY_FLAG, lending_split
 from banaserve.config.store_options import KvStoreOptions
 from banaserve.platform import cpu_platform_wanted
@@ -146,7 +146,7 @@ def run_cluster(plan: LaunchConfig) -> None:
         specs = lend_decode_layers(specs, split)
         lending = LayerLending(split, LayerLayout.of(specs, split), cpu_dtype(args.dtype))
     log_dir = Path(options.log_dir) if options.log_dir else default_log_dir()
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the logs hold the admin token
     logger.info("cluster logs in %s", log_dir)
     ledger = LeftoverLedger(log_dir / "children.json")
     reaper = Reaper(ledger.path, log_dir / "reaper.log")
@@ -290,18 +290,18 @@ async def serve_gateway(
         api_key=api_key,
         admin_token=admin_token,
         allowed_hosts=allowed_hosts,
+        client_limits=options.client_limits,
     )
-    # A client that leaves cancels its handler: its upstream connection closes, and SGLang
-    # aborts the request (a non-streaming one would otherwise generate to its end, for no one).
-    runner = web.AppRunner(gateway.app(), access_log=None, handler_cancellation=True)
+    runner = gateway_runner(gateway.app(), options.client_limits)
     await runner.setup()
+    cap = options.client_limits.connections(raise_descriptor_limit())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     tasks = []
     try:
-        await web.TCPSite(runner, host, port).start()
+        await CappedSite(runner, host, port, cap).start()
         assert gateway.session is not None
         tasks = [
             asyncio.create_task(poll_forever(board, gateway.session)),
@@ -312,8 +312,9 @@ async def serve_gateway(
         prefill = sum(s.role == PREFILL for s in specs)
         logger.info(
             "BanaServe cluster serving on http://%s:%d: %d prefill + %d decode, router %s, "
-            "store %s, migration %s", host, port, prefill, len(specs) - prefill,
-            options.router_policy, ",".join(urls) or "none (no handoff)", options.migration,
+            "store %s, migration %s, at most %d client connections", host, port, prefill,
+            len(specs) - prefill, options.router_policy, ",".join(urls) or "none (no handoff)",
+            options.migration, cap,
         )  # fmt: skip
         await stop.wait()
         logger.info("stopping the cluster")

@@ -20,6 +20,7 @@ from banaserve.api.request_limits import (
     DEFAULT_MAX_SEQUENCES,
     RequestLimits,
 )
+from banaserve.config.client_limits import ClientLimits
 from banaserve.config.pipeline_options import add_pipeline_args
 from banaserve.config.restart_policy import RestartPolicy
 from banaserve.config.store_options import KvStoreOptions
@@ -107,6 +108,7 @@ class ClusterOptions:
     migration_predictive: bool
     serve_on_spare_prefill: bool
     stall_timeout_s: float
+    client_limits: ClientLimits
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
@@ -140,6 +142,7 @@ class ClusterOptions:
             restart_policy=RestartPolicy(max_per_minute=args.max_restarts_per_minute),
             migration=args.migration,
             stall_timeout_s=args.stall_timeout,
+            client_limits=ClientLimits.from_args(args),
             spill_prefill=args.spill_prefill == "on",
             migration_predictive=args.migration_predictive,
             # Under layer migration the controller lends the prefill cores, layer by layer.
@@ -324,6 +327,7 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         "arrival rate of prompt tokens (prefill) or output tokens (decode) is heading, so it "
         "lends layers while a decode-heavy phase builds up rather than once it is there.",
     )
+    ClientLimits.add_args(cluster)
     cluster.add_argument(
         "--cluster-log-dir",
         default=None,
