@@ -26,10 +26,12 @@ import msgpack
 
 import banaserve
 from banaserve.env import SERVER_PATH_ENV, TENANT_TOKENS_ENV, TOKEN_ENV
-from banaserve.kvstore.framing import FrameDecoder
+from banaserve.kvstore.auth import client_proof
+from banaserve.kvstore.framing import Frame, FrameDecoder
 from banaserve.kvstore.protocol import (
     HEADER,
     MAGIC,
+    NONCE_BYTES,
     PROTOCOL_VERSION,
     Op,
     ProtocolError,
@@ -231,19 +233,38 @@ def header(op: int, control_len: int, payload_len: int, request_id: int = 2) -> 
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, op, request_id, control_len, payload_len)
 
 
+def next_frame(sock: socket.socket, decoder: FrameDecoder) -> Frame:
+    """The next frame the server sends on blocking ``sock`` (ConnectionError if it closes)."""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the server closed the connection during HELLO/AUTH")
+        frames = decoder.feed(chunk)
+        if frames:
+            return frames[0]
+
+
+def handshake(sock: socket.socket, token: str | None) -> list[Frame]:
+    """HELLO and AUTH with ``token`` on blocking ``sock``, as a client does; the server's
+    replies (an ERROR reply to AUTH ends it)."""
+    decoder = FrameDecoder(replies=True)
+    nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(encode_frame(Op.HELLO, 1, {"version": PROTOCOL_VERSION, "nonce": nonce}))
+    replies = [next_frame(sock, decoder)]
+    if replies[0].op is Op.ERROR:
+        return replies
+    proof = None if token is None else client_proof(token, nonce, replies[0].control["nonce"])
+    sock.sendall(encode_frame(Op.AUTH, 1, {"proof": proof}))
+    return [*replies, next_frame(sock, decoder)]
+
+
 def connect(host: str, port: int, token: str | None = None) -> socket.socket:
-    """A raw connection, authenticated by a HELLO if ``token`` is given (the reply read)."""
+    """A raw connection, authenticated by HELLO and AUTH if ``token`` is given."""
     sock = socket.create_connection((host, port), timeout=10)
     if token is not None:
-        sock.sendall(encode_frame(Op.HELLO, 1, {"version": PROTOCOL_VERSION, "token": token}))
-        decoder, frames = FrameDecoder(replies=True), []
-        while not frames:
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("the server closed the connection after HELLO")
-            frames = decoder.feed(chunk)
-        if frames[0].op is not Op.HELLO:
-            raise KvStoreError(f"HELLO refused: {frames[0].control}")
+        replies = handshake(sock, token)
+        if replies[-1].op is not Op.AUTH:
+            raise KvStoreError(f"AUTH refused: {replies[-1].control}")
     sock.setblocking(False)
     return sock
 

@@ -133,6 +133,20 @@ def test_a_killed_decode_instance_is_restarted_and_leaves_nothing(
     assert dead_rendezvous_runs() == []
 
 
+def test_a_killed_store_is_back_once_it_proves_the_token(cluster: Cluster, server: Server) -> None:
+    """The embedded store is restarted and counted back by a handshake with the cluster's
+    token (a port that accepts may be another process's); the cluster serves as before."""
+    name = "embedded KV store"
+    state = cluster.state()
+    before = state["supervisor"][name]
+    os.kill(state["pids"][name], signal.SIGKILL)
+    wait_death_seen(cluster, name, before["deaths"])
+    wait_all_running(cluster)
+    assert cluster.state()["supervisor"][name]["restarts"] == before["restarts"] + 1
+    prompt = "Stores come back"
+    assert generate(cluster.url, prompt)["output_ids"] == generate(server.url, prompt)["output_ids"]
+
+
 def test_the_cluster_logs_are_readable_by_their_user_only(cluster: Cluster) -> None:
     """SGLang prints every server argument to its log, the admin token among them."""
     logs = sorted(cluster.log_dir.glob("*.log"))

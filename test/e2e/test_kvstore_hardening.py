@@ -80,7 +80,7 @@ def test_unauthenticated_flood(store: hostile.StoreProcess, monitor: hostile.Mon
     codes = outcome.codes()
     assert set(codes) <= {ErrorCode.TOO_LARGE.value, ErrorCode.BUSY.value}, codes
     assert sum(codes.values()) == 400
-    assert f"at most {PRE_AUTH_CONTROL_BYTES} until HELLO succeeds" in " ".join(outcome.messages())
+    assert f"at most {PRE_AUTH_CONTROL_BYTES} until AUTH succeeds" in " ".join(outcome.messages())
     assert_serves(store.url, "after the flood")
 
 

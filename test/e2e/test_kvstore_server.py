@@ -197,16 +197,17 @@ def test_killed_shm_client_leaves_nothing_in_dev_shm(store: StoreProcess) -> Non
 
 
 def test_a_client_cannot_name_a_file_for_the_store_to_map(store: StoreProcess) -> None:
-    """Issue 31: the HELLO and SHM_ATTACH of an authenticated client named the segment, so it
-    could have the store map any file under /dev/shm (SGLang's, another tenant's) and read
-    or overwrite it. The server now creates every segment; a named one is refused."""
+    """Issue 31: the HELLO (now AUTH) and SHM_ATTACH of an authenticated client named the
+    segment, so it could have the store map any file under /dev/shm (SGLang's, another
+    tenant's) and read or overwrite it. The server now creates every segment; a named one is
+    refused."""
     victim = Path(f"/dev/shm/banaserve-victim-{os.getpid()}")
     victim.write_bytes(b"secret" * 1024)
     name = {"name": victim.name, "size": 4096}
 
     class Naming(TcpTransport):
-        def _hello(self, token: str | None) -> dict:
-            return {**super()._hello(token), "shm": name}
+        def _auth_control(self, proof: bytes | None) -> dict:
+            return {**super()._auth_control(proof), "shm": name}
 
     try:
         with pytest.raises(KvStoreRemoteError, match="the server names shared-memory segments"):
@@ -322,37 +323,51 @@ def put_frame(keys: list[bytes], sizes: list[int], payload: bytes) -> bytes:
 
 
 GOOD = keys_for("bad input victim", 1)[0]
+#: Bad input of a stranger (sent raw, before any AUTH): frame, what the ERROR reply says.
 BAD_INPUT = {
     "random bytes": (os.urandom(3000), "bad magic"),
     "http request": (b"GET / HTTP/1.1\r\nHost: kv\r\n\r\n" * 4, "bad magic"),
     "get before hello": (encode_frame(Op.GET, 1, {"keys": [], "lengths": []}), "must be HELLO"),
+    "auth before hello": (encode_frame(Op.AUTH, 1, {"proof": None}), "AUTH must follow HELLO"),
+    "put after hello": (hello() + put_frame([GOOD], [4], b"abcd"), "must be HELLO and AUTH"),
     "truncated hello": (hello()[:-3], "truncated frame"),
     "truncated header": (hello()[:10], "truncated frame"),
     "wrong version": (header(Op.HELLO, 0, 0, version=7), "protocol version 7"),
     "oversized control": (header(Op.HELLO, (1 << 20) + 1, 0), "control length"),
-    "oversized payload": (hello() + header(Op.PUT, 10, 1 << 40), "payload length"),
-    "unknown op": (hello() + header(0x33, 0, 0), "unknown op"),
     "malformed msgpack": (header(Op.HELLO, 3, 0) + b"\xc1\xc1\xc1", "malformed msgpack"),
-    "wrong types": (hello() + encode_frame(Op.EXISTS, 2, {"keys": "abc"}), "must be list"),
+    "second hello": (hello() + hello(), "HELLO sent twice"),
+    "a token in clear": (
+        encode_frame(Op.HELLO, 1, {"version": PROTOCOL_VERSION, "token": TOKEN}),
+        "missing field 'nonce'",
+    ),
+    "short proof": (hello() + encode_frame(Op.AUTH, 2, {"proof": b"p" * 31}), "32 bytes"),
+}
+#: Bad input of a peer that passed HELLO and AUTH with the token.
+BAD_AFTER_AUTH = {
+    "oversized payload": (header(Op.PUT, 10, 1 << 40), "payload length"),
+    "unknown op": (header(0x33, 0, 0), "unknown op"),
+    "wrong types": (encode_frame(Op.EXISTS, 2, {"keys": "abc"}), "must be list"),
     "short key in put": (
-        hello() + put_frame([GOOD, b"k" * 31], [4, 4], b"abcdefgh"),
+        put_frame([GOOD, b"k" * 31], [4, 4], b"abcdefgh"),
         "key 1 must be 32 bytes",
     ),
-    "payload shorter than sizes": (hello() + put_frame([GOOD], [8], b"abcd"), "declares 4"),
-    "put cut short": (hello() + put_frame([GOOD], [8], b"abcdefgh")[:-4], "truncated frame"),
-    "second hello": (hello() + hello(), "HELLO sent twice"),
-    "wrong token": (hello("nope") + put_frame([GOOD], [4], b"abcd"), "authentication failed"),
+    "payload shorter than sizes": (put_frame([GOOD], [8], b"abcd"), "declares 4"),
+    "put cut short": (put_frame([GOOD], [8], b"abcdefgh")[:-4], "truncated frame"),
+    "second auth": (encode_frame(Op.AUTH, 3, {"proof": None}), "AUTH must follow HELLO, once"),
 }
 
 
 def test_bad_input_closes_only_that_connection(store: StoreProcess) -> None:
     keys = keys_for("survivor", 4)
     data = pages(4, seed=4)
+    cases = [(case, frame, message, False) for case, (frame, message) in BAD_INPUT.items()]
+    cases += [(case, frame, message, TOKEN) for case, (frame, message) in BAD_AFTER_AUTH.items()]
+    cases.append(("wrong token", put_frame([GOOD], [4], b"abcd"), "authentication failed", "no"))
     with KvStoreClient(store.url, token=TOKEN) as bystander:
         assert all(bystander.put(keys, data))
         before = bystander.stats()[store.url]
-        for case, (frame, message) in BAD_INPUT.items():
-            replies = exchange(store.url, frame)
+        for case, frame, message, token in cases:
+            replies = exchange(store.url, frame, token)
             assert replies, f"{case}: no reply"
             assert replies[-1].op is Op.ERROR, case
             assert message in replies[-1].control["message"], (case, replies[-1].control)
@@ -364,7 +379,7 @@ def test_bad_input_closes_only_that_connection(store: StoreProcess) -> None:
         assert after["puts"] == before["puts"] and after["ram_pages"] == before["ram_pages"]
         assert bystander.exists([GOOD]) == [False]  # no PUT took effect, not even in part
         info = bystander.stats()[store.url]["server"]
-        assert info["refused"] >= len(BAD_INPUT)
+        assert info["refused"] >= len(cases)
 
 
 def test_idle_connections_do_not_block_others(store: StoreProcess) -> None:

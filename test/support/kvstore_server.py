@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import socket
 import threading
 
@@ -11,10 +12,11 @@ import numpy as np
 import pytest
 
 from banaserve.kvstore.framing import Frame, FrameDecoder
-from banaserve.kvstore.protocol import PROTOCOL_VERSION, Op, encode_frame
+from banaserve.kvstore.protocol import NONCE_BYTES, PROTOCOL_VERSION, Op, encode_frame
 from banaserve.kvstore.server import KvStoreServer, ServerConfig
 from banaserve.kvstore.storage import PageStore
 from banaserve.kvstore.transport import shm
+from store_hostile import handshake
 
 TOKEN = "test-token-123"
 PAGE = 4096
@@ -29,14 +31,23 @@ def pages(n: int, size: int = PAGE, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
 
 
-def hello(token: str | None = TOKEN) -> bytes:
-    return encode_frame(Op.HELLO, 1, {"version": PROTOCOL_VERSION, "token": token})
+def hello() -> bytes:
+    """A HELLO frame with a fresh nonce (it authenticates nothing by itself)."""
+    control = {"version": PROTOCOL_VERSION, "nonce": os.urandom(NONCE_BYTES)}
+    return encode_frame(Op.HELLO, 1, control)
 
 
-def exchange(url: str, data: bytes) -> list[Frame]:
-    """Send ``data`` on a raw socket, half-close, read until the server closes."""
-    host, port = url.removeprefix("tcp://").rsplit(":", 1)
+def exchange(url: str, data: bytes, token: str | None | bool = False) -> list[Frame]:
+    """Send ``data`` on a raw socket, half-close, read until the server closes; the frames
+    the server sent. With ``token`` not False, HELLO and AUTH with that token come first
+    (their replies lead the list; a refused AUTH ends the exchange there)."""
+    host, port = url.split("://")[-1].rsplit(":", 1)
+    frames: list[Frame] = []
     with socket.create_connection((host, int(port)), timeout=10) as sock:
+        if token is not False:
+            frames = handshake(sock, None if token is None else str(token))
+            if frames[-1].op is Op.ERROR:
+                return frames
         try:
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
@@ -48,7 +59,7 @@ def exchange(url: str, data: bytes) -> list[Frame]:
                 received += chunk
         except ConnectionResetError:
             pass
-    return FrameDecoder(replies=True).feed(bytes(received))
+    return frames + FrameDecoder(replies=True).feed(bytes(received))
 
 
 class InProcessServer:

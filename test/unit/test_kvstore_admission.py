@@ -23,9 +23,16 @@ from banaserve.kvstore.admission import (
     Ticket,
     inflight_budget,
 )
-from banaserve.kvstore.auth import Authenticator, Grant, load_tenant_tokens
+from banaserve.kvstore.auth import (
+    OPEN,
+    Authenticator,
+    Grant,
+    check_server_proof,
+    client_proof,
+    load_tenant_tokens,
+)
 from banaserve.kvstore.client import KvStoreClient
-from banaserve.kvstore.protocol import ErrorCode, ProtocolError
+from banaserve.kvstore.protocol import NONCE_BYTES, ErrorCode, ProtocolError
 from banaserve.kvstore.server import ServerConfig
 from banaserve.kvstore.server import conn as server_conn
 from banaserve.kvstore.storage import TieredStore
@@ -117,10 +124,11 @@ def test_failed_request_frees_its_buffers_without_the_gc(monkeypatch: pytest.Mon
     try:
         host, port = server.url.removeprefix("tcp://").rsplit(":", 1)
         sock = hostile.connect(host, int(port), TOKEN)
+        handshake = len(made)  # HELLO's and AUTH's control maps
         dying = hostile.Peer(sock, hostile.put_head([hostile.key("dies")], [4 * MiB]) + bytes(MiB))
         assert hostile.pump_until([dying], lambda: dying.done_sending, 10.0)
         deadline = time.monotonic() + 10
-        while len(made) < 2 and time.monotonic() < deadline:  # control map and payload
+        while len(made) < handshake + 2 and time.monotonic() < deadline:  # control, payload
             time.sleep(0.01)
         assert budget.in_use > 4 * MiB
         dying.close()
@@ -134,7 +142,7 @@ def test_failed_request_frees_its_buffers_without_the_gc(monkeypatch: pytest.Mon
 
 
 def test_get_replies_are_charged_and_split() -> None:
-    """HELLO tells clients one request's share; a big GET is split to fit, and its pages are
+    """AUTH tells clients one request's share; a big GET is split to fit, and its pages are
     charged while they are sent."""
     store = TieredStore(256 * MiB)
     server = InProcessServer(store, ServerConfig(token=TOKEN, inflight_bytes=32 * MiB))
@@ -181,13 +189,33 @@ def test_tenant_isolation_holds_for_claims() -> None:
 
 def test_authenticator() -> None:
     auth = Authenticator("shared-0123456789", {"t": "tenant-0123456789"})
-    assert auth.authenticate("shared-0123456789").tenant is None
-    assert auth.authenticate("tenant-0123456789").tenant == "t"
-    for wrong in ("", None, "shared-012345678", "tenant-0123456789x"):
+    mine, theirs = b"c" * NONCE_BYTES, b"s" * NONCE_BYTES
+
+    def offer(token: str) -> tuple[Grant, bytes | None]:
+        return auth.authenticate(client_proof(token, mine, theirs), mine, theirs)
+
+    grant, server_proof = offer("shared-0123456789")
+    assert grant.tenant is None
+    check_server_proof("shared-0123456789", mine, theirs, server_proof)  # the server knows it
+    grant, server_proof = offer("tenant-0123456789")
+    assert grant.tenant == "t"
+    check_server_proof("tenant-0123456789", mine, theirs, server_proof)
+    with pytest.raises(ProtocolError, match="did not prove"):  # one token's proof is not another's
+        check_server_proof("shared-0123456789", mine, theirs, server_proof)
+    for wrong in ("shared-012345678", "tenant-0123456789x"):
         with pytest.raises(ProtocolError) as info:
-            auth.authenticate(wrong)
+            offer(wrong)
         assert info.value.code is ErrorCode.AUTH
-    assert Authenticator().authenticate(None).tenant is None  # no token configured
+    # A proof is good for its nonces only: replayed on a connection with another server nonce.
+    replayed = client_proof("shared-0123456789", mine, theirs)
+    with pytest.raises(ProtocolError, match="authentication failed"):
+        auth.authenticate(replayed, mine, b"x" * NONCE_BYTES)
+    with pytest.raises(ProtocolError, match="authentication failed"):
+        auth.authenticate(None, mine, theirs)
+    assert Authenticator().authenticate(None, mine, theirs) == (OPEN, None)  # no token at all
+    with pytest.raises(ProtocolError, match="did not prove"):  # such a store proves nothing
+        check_server_proof("shared-0123456789", mine, theirs, None)
+    check_server_proof(None, mine, theirs, None)  # a client without a token checks nothing
     with pytest.raises(ValueError, match="twice"):
         Authenticator("same-token", {"t": "same-token"})
     with pytest.raises(ValueError, match="tenant name"):

@@ -26,7 +26,7 @@ from support.kvstore_claims import (
     wait_until,
     waiting,
 )
-from support.kvstore_server import TOKEN, InProcessServer, exchange, hello, keys_for, pages
+from support.kvstore_server import TOKEN, InProcessServer, exchange, keys_for, pages
 
 #: a fresh in-process store server for each test
 server = pytest.fixture(in_process_server)
@@ -236,11 +236,11 @@ def test_bad_lookups_are_refused_and_change_nothing(server: InProcessServer) -> 
         control = {"keys": keys, "owner": "A", "wait_ms": 0, "lease_ms": 1000, "claim": True}
         control.update(changes)
         control = {k: v for k, v in control.items() if v is not None}
-        replies = exchange(server.url, hello() + encode_frame(Op.LOOKUP, 2, control))
+        replies = exchange(server.url, encode_frame(Op.LOOKUP, 2, control), TOKEN)
         assert replies[-1].op is Op.ERROR, case
         assert message in replies[-1].control["message"], (case, replies[-1].control)
     bad_release = encode_frame(Op.RELEASE, 2, {"keys": keys, "owner": 7})
-    assert exchange(server.url, hello() + bad_release)[-1].op is Op.ERROR
+    assert exchange(server.url, bad_release, TOKEN)[-1].op is Op.ERROR
     stats = server_stats(server.url)
     assert stats["claims"] == 0 and stats["claims_held"] == 0
     assert stats["refused"] == len(BAD_LOOKUPS) + 1

@@ -21,6 +21,7 @@ from banaserve.kvstore.protocol import (
     HEADER_BYTES,
     MAGIC,
     MAX_CONTROL_BYTES,
+    NONCE_BYTES,
     PROTOCOL_VERSION,
     ErrorCode,
     Limits,
@@ -63,9 +64,10 @@ def raw_frame(
     return head + body + payload
 
 
+NONCE = b"n" * NONCE_BYTES
 VALID_REQUESTS = [
-    encode_frame(Op.HELLO, 1, {"version": PROTOCOL_VERSION, "token": "t"}),
-    encode_frame(Op.HELLO, 1, {"version": 1, "token": None, "shm": {"size": 64}}),
+    encode_frame(Op.HELLO, 1, {"version": PROTOCOL_VERSION, "nonce": NONCE}),
+    encode_frame(Op.AUTH, 1, {"proof": NONCE, "shm": {"size": 64}}),
     encode_frame(Op.EXISTS, 2, {"keys": [key(0), key(1)]}),
     encode_frame(Op.GET, 3, {"keys": [key(0)], "lengths": [16], "range": [4, 16]}),
     encode_frame(Op.GET, 3, {"keys": [key(0), key(1)], "lengths": [8, 8], "range": None}),
@@ -76,7 +78,10 @@ VALID_REQUESTS = [
 ]
 
 VALID_REPLIES = [
-    encode_frame(Op.HELLO, 1, {"version": 1, "max_payload": 1 << 30, "shm": False}, reply=True),
+    encode_frame(Op.HELLO, 1, {"version": 2, "server": "s", "nonce": NONCE}, reply=True),
+    encode_frame(
+        Op.AUTH, 1, {"version": 2, "max_payload": 1 << 30, "shm": False, "proof": None}, reply=True
+    ),  # fmt: skip
     encode_frame(Op.EXISTS, 2, {"present": [True, False]}, reply=True),
     encode_frame(Op.GET, 3, {"sizes": [3, -1, 2]}, b"abcde", reply=True),
     encode_frame(Op.GET, 3, {"sizes": [3], "shm": True}, reply=True),
@@ -92,7 +97,7 @@ VALID_REPLIES = [
 def test_requests_round_trip() -> None:
     frames = decode_frames(b"".join(VALID_REQUESTS))
     assert [f.op for f in frames] == [
-        Op.HELLO, Op.HELLO, Op.EXISTS, Op.GET, Op.GET, Op.PUT, Op.PUT, Op.STATS, Op.SHM_ATTACH,
+        Op.HELLO, Op.AUTH, Op.EXISTS, Op.GET, Op.GET, Op.PUT, Op.PUT, Op.STATS, Op.SHM_ATTACH,
     ]  # fmt: skip
     put = frames[5]
     assert put.request_id == 4 and put.control["keys"] == [key(0), key(1)]
@@ -102,7 +107,7 @@ def test_requests_round_trip() -> None:
 def test_replies_round_trip() -> None:
     frames = decode_frames(b"".join(VALID_REPLIES), replies=True)
     assert all(f.is_reply for f in frames)
-    get = frames[2]
+    get = frames[3]
     assert get.op is Op.GET and get.control["sizes"] == [3, -1, 2] and get.payload == b"abcde"
     error = frames[-1]
     assert error.op is Op.ERROR and error.request_id == 9
@@ -125,7 +130,7 @@ def test_encode_refuses_an_oversized_control_map() -> None:
 
 # -- bad input --------------------------------------------------------------------------------
 
-HELLO = {"version": PROTOCOL_VERSION, "token": None}
+HELLO = {"version": PROTOCOL_VERSION, "nonce": NONCE}
 BAD_REQUESTS = {
     "wrong magic": (raw_frame(Op.HELLO, HELLO, magic=b"HTTP"), "bad magic"),
     "wrong version": (raw_frame(Op.HELLO, HELLO, version=99), "version 99"),
@@ -144,7 +149,10 @@ BAD_REQUESTS = {
     "key 31 bytes": (raw_frame(Op.EXISTS, {"keys": [key(0), key(1)[:31]]}), "key 1 must be 32"),
     "key as str": (raw_frame(Op.EXISTS, {"keys": ["a" * 32]}), "key 0 must be 32 bytes, got str"),
     "version as str": (raw_frame(Op.HELLO, {"version": "1"}), "'version' must be int"),
-    "token as int": (raw_frame(Op.HELLO, {"version": 1, "token": 5}), "'token' must be str"),
+    "nonce as str": (raw_frame(Op.HELLO, {"version": 2, "nonce": "n" * 32}), "'nonce' must be"),
+    "short nonce": (raw_frame(Op.HELLO, {"version": 2, "nonce": b"n"}), "'nonce' must be 32"),
+    "no nonce": (raw_frame(Op.HELLO, {"version": 2, "token": "t"}), "missing field 'nonce'"),
+    "long proof": (raw_frame(Op.AUTH, {"proof": b"p" * 33}), "'proof' must be 32 bytes"),
     "bool as int": (raw_frame(Op.HELLO, {"version": True}), "must be int, got bool"),
     "hello with payload": (raw_frame(Op.HELLO, HELLO, b"xx"), "carries no payload"),
     # Issue 31: a client named the segment, so a tenant could have any /dev/shm file mapped.
@@ -152,8 +160,8 @@ BAD_REQUESTS = {
         raw_frame(Op.SHM_ATTACH, {"name": "sglang_loads_x", "size": 8}),
         "the server names shared-memory segments",
     ),
-    "hello segment named by the client": (
-        raw_frame(Op.HELLO, {"version": 1, "shm": {"name": "psm_a", "size": 8}}),
+    "auth segment named by the client": (
+        raw_frame(Op.AUTH, {"proof": None, "shm": {"name": "psm_a", "size": 8}}),
         "the server names shared-memory segments",
     ),
     "shm size zero": (raw_frame(Op.SHM_ATTACH, {"size": 0}), "size 0"),
@@ -308,8 +316,9 @@ def test_fuzz_mutated_frames(index: int, edits: list[tuple[str, int, int]], chun
     op=st.sampled_from(list(Op)),
     reply=st.booleans(),
     control=st.dictionaries(
-        st.sampled_from(["keys", "sizes", "lengths", "range", "shm", "version", "token", "name",
-                         "size", "present", "stored", "code", "message", "store", "server"]),
+        st.sampled_from(["keys", "sizes", "lengths", "range", "shm", "version", "nonce", "proof",
+                         "name", "size", "present", "stored", "code", "message", "store",
+                         "server"]),
         st.recursive(
             st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=40)
             | st.text(max_size=8),

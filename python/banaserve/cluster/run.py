@@ -55,6 +55,7 @@ from banaserve.config.cli import (
 from banaserve.config.client_limits import raise_descriptor_limit
 from banaserve.config.pipeline_options import BOUNDARY_FLAG, lending_split
 from banaserve.config.store_options import KvStoreOptions
+from banaserve.kvstore.embedded import proves_token
 from banaserve.platform import cpu_platform_wanted
 from banaserve.router.placement import NoStorePlacer, Placer
 from banaserve.server.kv_pool_sizing import available_memory_bytes, size_kv_pool
@@ -242,13 +243,8 @@ async def serve_gateway(
     ready_timeout = aiohttp.ClientTimeout(total=5)
 
     async def ready(child: Child) -> bool:
-        if child.url is None:  # the store: listening again
-            host_port = urls[0].split("://", 1)[1].rsplit(":", 1)
-            with contextlib.suppress(OSError):
-                _, writer = await asyncio.open_connection(host_port[0], int(host_port[1]))
-                writer.close()
-                return True
-            return False
+        if child.url is None:  # the store: back once it proves it holds the token
+            return await asyncio.to_thread(proves_token, urls[0], token)
         assert gateway.session is not None
         async with gateway.session.get(f"{child.url}/health", timeout=ready_timeout) as r:
             return r.status == 200

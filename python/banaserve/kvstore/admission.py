@@ -5,11 +5,11 @@ Who can make the server allocate what, and the bound on it:
 - *A connection at all*: at most ``max_connections`` authenticated ones at once per listener
   (the TCP/shm one, the ucx:// one: a :class:`ConnectionGate` each), and apart from them a
   quarter as many strangers. Over the strangers' cap the TCP listener closes the oldest
-  stranger to let the new connection in (a peer with the token sends its HELLO at once, so
+  stranger to let the new connection in (a peer with the token sends its HELLO and AUTH at once, so
   idle strangers cannot lock it out); the ucx:// one, and the TCP one when every stranger is
   being closed already, sends the new connection :attr:`ConnectionGate.busy_frame` (encoded
   once) and closes it, with nothing allocated for it.
-- *A stranger* (a connection whose HELLO has not succeeded): its frames may carry a control map
+- *A stranger* (a connection whose AUTH has not succeeded): its frames may carry a control map
   of at most :data:`PRE_AUTH_CONTROL_BYTES` and no payload (:meth:`Admission.admit_header`), so
   a stranger makes the server buffer at most ``HEADER_BYTES + PRE_AUTH_CONTROL_BYTES``, for at
   most the HELLO timeout. Strangers are not charged to the budget: the cap bounds them.
@@ -48,7 +48,7 @@ from banaserve.kvstore.protocol import (
 
 #: Connections served at once per process (every listener together).
 DEFAULT_MAX_CONNECTIONS = 256
-#: Largest control map before authentication: a HELLO is about 100 bytes.
+#: Largest control map before authentication: a HELLO or an AUTH is about 100 bytes.
 PRE_AUTH_CONTROL_BYTES = 4 << 10
 #: The command line's in-flight budget as a fraction of the RAM capacity.
 DEFAULT_INFLIGHT_FRACTION = 0.25
@@ -91,7 +91,7 @@ class ConnectionGate:
     """At most ``limit`` authenticated connections and ``strangers`` unauthenticated ones at
     once, counted apart: strangers holding connections cannot lock out the peers that have
     the token (issue 31). A connection enters as a stranger (:meth:`try_enter`) and becomes
-    an authenticated one when its HELLO succeeds (:meth:`promote`). Thread-safe (a lock
+    an authenticated one when its AUTH succeeds (:meth:`promote`). Thread-safe (a lock
     around a few integers)."""
 
     def __init__(self, limit: int = DEFAULT_MAX_CONNECTIONS, strangers: int | None = None) -> None:
@@ -168,7 +168,7 @@ class ByteBudget:
         if total <= 0:
             raise ValueError(f"in-flight budget must be positive, got {total}")
         self.total = total
-        #: The most one request may hold; HELLO tells clients so they split bigger batches.
+        #: The most one request may hold; AUTH's reply tells clients so they split bigger batches.
         self.request_cap = max(1, total // REQUEST_SHARE)
         self.in_use = 0
         self.peak = 0
@@ -184,7 +184,7 @@ class ByteBudget:
                 f"{what} needs {nbytes} bytes of server buffers, over the {self.request_cap} one "
                 f"request may hold (1/{REQUEST_SHARE} of the store's in-flight budget of "
                 f"{self.total}; "
-                "HELLO's max_payload says how to split a batch)",
+                "AUTH's max_payload says how to split a batch)",
                 ErrorCode.TOO_LARGE,
             )
 
@@ -315,7 +315,7 @@ class Admission:
     frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S
 
     def max_payload(self, limits: Limits) -> int:
-        """The payload one frame may carry, as HELLO tells clients: the frame limit, or one
+        """The payload one frame may carry, as AUTH's reply tells clients: the frame limit, or one
         request's share of the budget less a largest control map, whichever is smaller."""
         return max(1, min(limits.max_payload, self.budget.request_cap - limits.max_control))
 
@@ -327,7 +327,7 @@ class Admission:
             if header.control_len > PRE_AUTH_CONTROL_BYTES:
                 raise ProtocolError(
                     f"control map of {header.control_len} bytes before authentication: at most "
-                    f"{PRE_AUTH_CONTROL_BYTES} until HELLO succeeds",
+                    f"{PRE_AUTH_CONTROL_BYTES} until AUTH succeeds",
                     ErrorCode.TOO_LARGE,
                 )
             if header.payload_len:

@@ -1,8 +1,11 @@
 """Who may use a store server, and which pages a connection can address.
 
-Two kinds of credential, checked in HELLO by :class:`Authenticator` (in constant time: every
-configured token is compared, each through SHA-256 digests of equal length, whether or not an
-earlier one matched):
+Two kinds of credential, checked in AUTH by :class:`Authenticator` (in constant time: the
+client's proof is compared with the one of every configured token, whether or not an earlier
+one matched). No token travels: after HELLO has exchanged a fresh nonce each way, the client
+sends an HMAC of both nonces keyed by its token's SHA-256 and the server answers with its own
+(:func:`proof`), so a client also knows it reached a server that holds the token, not a process
+that took the store's port while it restarted:
 
 - the *shared* token (``--token`` or ``$BANASERVE_KV_STORE_TOKEN``): the operator's credential.
   Keys are used as the client sends them, so the namespace (model, layout, tenant) is the one
@@ -31,12 +34,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from banaserve.kvstore.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
+from banaserve.kvstore.protocol import NONCE_BYTES, PROTOCOL_VERSION, ErrorCode, ProtocolError
 
 logger = logging.getLogger("banaserve.kvstore.auth")
 
 #: Domain separation of tenant keyspaces (part of every mapped key: changing it orphans pages).
 _TENANT_DOMAIN = b"banaserve-kv-tenant-v1"
+#: Domain separation of AUTH proofs, and which side a proof is from (so one side's proof is
+#: never the other's).
+_PROOF_DOMAIN = b"banaserve-kv-auth-v1"
+CLIENT = b"client"
+SERVER = b"server"
 #: Tokens shorter than this are accepted with a warning: they can be guessed.
 MIN_TOKEN_CHARS = 16
 MAX_TENANT_CHARS = 256
@@ -79,8 +87,37 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+def proof(token_digest: bytes, side: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """What ``side`` (:data:`CLIENT` or :data:`SERVER`) sends in AUTH to show it holds the
+    token whose SHA-256 is ``token_digest``: an HMAC of both nonces, so it is good for this
+    connection only and tells a listener nothing it can replay or use elsewhere."""
+    message = _PROOF_DOMAIN + side + client_nonce + server_nonce
+    return hmac.new(token_digest, message, hashlib.sha256).digest()
+
+
+def client_proof(token: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return proof(_digest(token), CLIENT, client_nonce, server_nonce)
+
+
+def check_server_proof(
+    token: str | None, client_nonce: bytes, server_nonce: bytes, offered: bytes | None
+) -> None:
+    """Refuse (ProtocolError AUTH) a server that did not prove it holds ``token``: whatever
+    answers on the store's port may be another process that took it while the store
+    restarted. Without a token there is nothing to check."""
+    if token is None:
+        return
+    expected = proof(_digest(token), SERVER, client_nonce, server_nonce)
+    if offered is None or not hmac.compare_digest(offered, expected):
+        raise ProtocolError(
+            "the server did not prove it holds the store's token: not the store it claims to "
+            "be (another process on its port?), or one started without a token",
+            ErrorCode.AUTH,
+        )
+
+
 class Authenticator:
-    """Checks HELLO tokens. Immutable after construction, so any thread may use it."""
+    """Checks AUTH proofs. Immutable after construction, so any thread may use it."""
 
     def __init__(self, token: str | None = None, tenant_tokens: Mapping[str, str] | None = None):
         tenant_tokens = dict(tenant_tokens or {})
@@ -106,34 +143,55 @@ class Authenticator:
         """Whether a token is needed at all."""
         return self._shared is not None or bool(self._tenants)
 
-    def authenticate(self, offered: str | None) -> Grant:
-        """The grant of ``offered``; ProtocolError AUTH if it matches no configured token.
-        Takes the same time whichever token (if any) matches."""
+    def authenticate(
+        self, offered: bytes | None, client_nonce: bytes, server_nonce: bytes
+    ) -> tuple[Grant, bytes | None]:
+        """The grant of the token the client's proof ``offered`` shows, and the server's
+        proof of holding that token (None for a store without tokens); ProtocolError AUTH
+        if it shows none. Takes the same time whichever token (if any) matches."""
         if not self.required:
-            return OPEN
-        digest = _digest(offered or "")
-        shared = self._shared is not None and hmac.compare_digest(digest, self._shared)
-        tenant = None
-        for candidate, name in self._tenants:  # no early exit: the time must not tell which
-            if hmac.compare_digest(digest, candidate):
-                tenant = name
-        if shared:
-            return OPEN
-        if tenant is not None:
-            return Grant(tenant)
-        raise ProtocolError("authentication failed: wrong or missing token", ErrorCode.AUTH)
+            return OPEN, None
+        candidates = [(self._shared, None)] if self._shared is not None else []
+        matched: tuple[bytes, str | None] | None = None
+        for digest, tenant in [*candidates, *self._tenants]:  # no early exit: time tells none
+            expected = proof(digest, CLIENT, client_nonce, server_nonce)
+            if hmac.compare_digest(offered or b"", expected):
+                matched = (digest, tenant)
+        if matched is None:
+            raise ProtocolError("authentication failed: wrong or missing token", ErrorCode.AUTH)
+        digest, tenant = matched
+        grant = OPEN if tenant is None else Grant(tenant)
+        return grant, proof(digest, SERVER, client_nonce, server_nonce)
 
 
-def check_hello(control: dict[str, Any], authenticated: bool, auth: Authenticator) -> Grant:
-    """Refuse a second HELLO, another protocol version, or a wrong token (ProtocolError);
-    returns what the token grants. Shared by every server transport."""
-    if authenticated:
-        raise ProtocolError("HELLO sent twice on one connection")
-    if control["version"] != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"client speaks protocol {control['version']}, server {PROTOCOL_VERSION}"
-        )
-    return auth.authenticate(control.get("token"))
+class Handshake:
+    """One connection's way through HELLO and AUTH, on the server. Not thread-safe: owned by
+    the connection, used from the thread that serves it."""
+
+    def __init__(self) -> None:
+        self.nonces: tuple[bytes, bytes] | None = None  # (client's, server's) after HELLO
+        self.done = False
+
+    def hello(self, control: dict[str, Any]) -> bytes:
+        """Refuse a second HELLO or another protocol version (ProtocolError); returns the
+        server's nonce."""
+        if self.nonces is not None:
+            raise ProtocolError("HELLO sent twice on one connection")
+        if control["version"] != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"client speaks protocol {control['version']}, server {PROTOCOL_VERSION}"
+            )
+        self.nonces = (control["nonce"], os.urandom(NONCE_BYTES))
+        return self.nonces[1]
+
+    def auth(self, control: dict[str, Any], auth: Authenticator) -> tuple[Grant, bytes | None]:
+        """Refuse AUTH before HELLO or twice, or a wrong proof (ProtocolError); returns what
+        the token grants and the server's proof."""
+        if self.nonces is None or self.done:
+            raise ProtocolError("AUTH must follow HELLO, once")
+        granted = auth.authenticate(control.get("proof"), *self.nonces)
+        self.done = True
+        return granted
 
 
 def check_clear(grant: Grant) -> None:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from banaserve.env import TOKEN_ENV
+from banaserve.kvstore.protocol import Op, ProtocolError
+from banaserve.kvstore.transport import KvStoreError, open_transport, parse_url
 from banaserve.utils.processes import ManagedProcess, free_port
 
 START_TIMEOUT = 60.0
@@ -35,3 +37,18 @@ def start_embedded_store(
         process.stop()
         raise
     return process, f"shm://{host}:{port}", token
+
+
+def proves_token(url: str, token: str | None, timeout_s: float = 5.0) -> bool:
+    """Whether the store at ``url`` completes a handshake with ``token`` (so holds it) and
+    answers STATS: how a restarted shard is known to be back, since a port that merely
+    accepts may be another process's. Blocks up to about ``timeout_s``."""
+    transport = open_transport(parse_url(url), timeout_s)
+    try:
+        transport.connect(token)
+        transport.request(Op.STATS, {})
+        return True
+    except (KvStoreError, ProtocolError, OSError):
+        return False
+    finally:
+        transport.close()

@@ -23,6 +23,7 @@ from banaserve.kvstore.protocol import (
     MAX_OWNER_CHARS,
     MAX_WAIT_MS,
     MISSING,
+    NONCE_BYTES,
     ErrorCode,
     Header,
     Limits,
@@ -75,15 +76,18 @@ class Flag:
 
 
 @dataclass(frozen=True)
-class OptionalStr:
-    """A str or nil, which may be left out."""
+class Nonce:
+    """Exactly NONCE_BYTES bytes; nil or left out too when ``optional``."""
 
     name: str
+    optional: bool = False
 
     def check(self, control: Control, op: Op, limits: Limits) -> None:
-        value = control.get(self.name)
-        if value is not None and not isinstance(value, str):
-            raise ProtocolError(f"{op.name}: field {self.name!r} must be str or nil")
+        if self.optional and control.get(self.name) is None:
+            return
+        value = _field(control, self.name, bytes, op)
+        if len(value) != NONCE_BYTES:
+            raise ProtocolError(f"{op.name}: {self.name!r} must be {NONCE_BYTES} bytes")
 
 
 @dataclass(frozen=True)
@@ -257,8 +261,12 @@ _OWNER = Owner()
 #: One entry per op.
 OP_SPECS: dict[Op, OpSpec] = {
     Op.HELLO: OpSpec(
-        Side((Field("version", int), OptionalStr("token"), ShmSpec("shm"))),
-        Side((Field("version", int), Field("max_payload", int))),
+        Side((Field("version", int), Nonce("nonce"))),
+        Side((Field("version", int), Nonce("nonce"))),
+    ),
+    Op.AUTH: OpSpec(
+        Side((Nonce("proof", optional=True), ShmSpec("shm"))),
+        Side((Field("version", int), Field("max_payload", int), Nonce("proof", optional=True))),
     ),
     Op.SHM_ATTACH: OpSpec(Side((ShmSpec(),)), Side()),
     Op.EXISTS: OpSpec(Side((_KEYS,)), Side((BoolList("present"),), per_key=("present",))),

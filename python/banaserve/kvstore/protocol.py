@@ -28,7 +28,10 @@ from typing import Any
 import msgpack
 
 MAGIC = b"BKVS"
-PROTOCOL_VERSION = 1
+#: 2: the token never travels (HELLO exchanges nonces, AUTH proves it both ways).
+PROTOCOL_VERSION = 2
+#: Bytes of each side's HELLO nonce and of each AUTH proof (HMAC-SHA256).
+NONCE_BYTES = 32
 HEADER = struct.Struct("<4sHHQIQ")
 HEADER_BYTES = HEADER.size
 REPLY_BIT = 0x80
@@ -52,13 +55,19 @@ MAX_OWNER_CHARS = 256
 class Op(enum.IntEnum):
     """Operations, with their control maps (request -> reply). Keys are 32-byte bins.
 
-    HELLO       {version, token: str|nil, shm?: {size}} -> {version, server, max_payload,
-                shm: {name, size}|false, tenant: str|nil}. The first frame of every
-                connection; a wrong token is an AUTH error. ``max_payload``: the most
-                payload one frame of this client may carry (it splits bigger batches).
-                ``tenant``: the tenant a per-tenant token grants; the server then maps every
-                key of this connection into that tenant's keyspace (see
-                :mod:`banaserve.kvstore.auth`).
+    HELLO       {version, nonce: 32 bytes} -> {version, server, nonce: 32 bytes}. The first
+                frame of every connection: the client's and the server's fresh nonces.
+    AUTH        {proof: 32 bytes|nil, shm?: {size}} -> {version, server, max_payload,
+                shm: {name, size}|false, tenant: str|nil, proof: 32 bytes|nil}. The second
+                frame: the client proves it holds a token without sending it (``proof`` is an
+                HMAC of both nonces keyed by the token's digest, see
+                :mod:`banaserve.kvstore.auth`; nil without a token), and the server proves
+                it holds the same token in its reply (nil for a store without tokens), so a
+                process that took the store's port learns nothing it can use. A proof that
+                matches no token is an AUTH error. ``max_payload``: the most payload one
+                frame of this client may carry (it splits bigger batches). ``tenant``: the
+                tenant a per-tenant token grants; the server then maps every key of this
+                connection into that tenant's keyspace.
     SHM_ATTACH  {size} -> {name, size}: replace this connection's shared-memory segment. The
                 server creates each segment and names it; the client maps it by that name
                 and removes the name (see :mod:`banaserve.kvstore.segments`).
@@ -100,10 +109,13 @@ class Op(enum.IntEnum):
     LOOKUP = 7
     RELEASE = 8
     CLEAR = 9
+    AUTH = 10
     ERROR = 0xFF
 
 
 REQUEST_OPS = frozenset(op for op in Op if op is not Op.ERROR)
+#: What a connection may send before AUTH has succeeded.
+HANDSHAKE_OPS = frozenset((Op.HELLO, Op.AUTH))
 _REQUEST_VALUES = frozenset(int(op) for op in REQUEST_OPS)
 
 

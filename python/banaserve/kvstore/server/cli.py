@@ -40,8 +40,8 @@ logger = logging.getLogger("banaserve.kvstore.server")
 GiB = 1 << 30
 
 _SECURITY = [
-    "Whoever can open a connection to the port and pass HELLO can read, probe and overwrite "
-    "pages (KV caches are prompts in another form). So:",
+    "Whoever can open a connection to the port and prove it holds the token (AUTH) can read, "
+    "probe and overwrite pages (KV caches are prompts in another form). So:",
     f"Authentication: the shared token (--token, or better ${TOKEN_ENV}: argv is visible to "
     "other users) lets a client use its keys as it sends them: the keyspace it chose (model, "
     f'layout, tenant). Per-tenant tokens (--tenant-tokens FILE of "tenant:token" lines, or '
@@ -55,7 +55,7 @@ _SECURITY = [
     "--insecure starts anyway, with a loud warning. Without a token on loopback any local user "
     "can use the store: set one on a shared machine.",
     "Memory is bounded before it is allocated: at most --max-connections connections per "
-    "listener (more are answered BUSY and closed); before HELLO a connection may send "
+    "listener (more are answered BUSY and closed); before AUTH a connection may send "
     f"{PRE_AUTH_CONTROL_BYTES} bytes of control map and no payload; every request's buffers "
     "come from one in-flight budget of --inflight-fraction x --capacity-gb (a request over its "
     "share is refused TOO_LARGE; one that does not fit waits briefly, then is refused BUSY; "

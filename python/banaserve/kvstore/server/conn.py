@@ -2,10 +2,10 @@
 admission bounds (:mod:`banaserve.kvstore.admission`), and closing it politely.
 
 A frame is checked in full before it has any effect: the header's bounds before anything else
-is read, the admission bounds (a stranger's tiny HELLO; an authenticated request's bytes from
-the budget) before any buffer is allocated, the control map's schema before the payload buffer
-is allocated. The keys of a validated request are mapped into the connection's tenant keyspace
-(:mod:`banaserve.kvstore.auth`) before anything else sees them.
+is read, the admission bounds (a stranger's tiny HELLO and AUTH; an authenticated request's
+bytes from the budget) before any buffer is allocated, the control map's schema before the
+payload buffer is allocated. The keys of a validated request are mapped into the connection's
+tenant keyspace (:mod:`banaserve.kvstore.auth`) before anything else sees them.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from multiprocessing import shared_memory
 from typing import Any
 
 from banaserve.kvstore.admission import Admission, ByteBudget, Ticket, request_buffer
-from banaserve.kvstore.auth import OPEN, Grant, map_control_keys
+from banaserve.kvstore.auth import OPEN, Grant, Handshake, map_control_keys
 from banaserve.kvstore.op_specs import validate_request
 from banaserve.kvstore.protocol import (
+    HANDSHAKE_OPS,
     HEADER_BYTES,
     ErrorCode,
     Header,
     Limits,
-    Op,
     ProtocolError,
     decode_header,
     encode_error,
@@ -54,7 +54,7 @@ class FrameTimeout(ProtocolError):
 
 
 class Connection:
-    """Per-connection state of the TCP/shm server: the socket, what HELLO granted, the
+    """Per-connection state of the TCP/shm server: the socket, what AUTH granted, the
     shared-memory segment it created for the client and the budget the current request
     holds. Touched only by its own task (and by :meth:`watch_eof`'s callback, which runs on
     the same loop); reading a frame waits on the peer, within the admission bounds."""
@@ -66,8 +66,9 @@ class Connection:
         #: When it connected, and whether it was closed to make room for a newer stranger.
         self.opened = time.monotonic()
         self.evicted = False
-        #: What the HELLO's token granted; every key this connection sends is mapped by it.
+        #: What the AUTH's token granted; every key this connection sends is mapped by it.
         self.grant: Grant = OPEN
+        self.handshake = Handshake()
         #: What the current request holds of the budget; released when it ends.
         self.ticket = Ticket(budget)
         self.request_id = 0
@@ -98,10 +99,11 @@ class Connection:
     ) -> Frame | None:
         """The next validated frame, or None if the peer closed between frames.
 
-        A stranger's whole HELLO must arrive within ``hello_timeout`` (asyncio.TimeoutError);
-        an authenticated peer may idle between frames, but once a header arrived the rest must
-        follow within ``admission.frame_timeout`` (:class:`FrameTimeout`). The frame's buffers
-        are charged to :attr:`ticket`, which the caller releases when the request ends.
+        Each frame of a stranger (HELLO, AUTH) must arrive whole within ``hello_timeout``
+        (asyncio.TimeoutError); an authenticated peer may idle between frames, but once a
+        header arrived the rest must follow within ``admission.frame_timeout``
+        (:class:`FrameTimeout`). The frame's buffers are charged to :attr:`ticket`, which the
+        caller releases when the request ends.
         """
         loop = asyncio.get_running_loop()
         head = memoryview(self._head)
@@ -140,8 +142,8 @@ class Connection:
     ) -> Frame:
         header = decode_header(self._head, limits)
         self.request_id = header.request_id
-        if not self.authenticated and header.op is not Op.HELLO:
-            raise ProtocolError(f"the first frame must be HELLO, got {header.op.name}")
+        if not self.authenticated and header.op not in HANDSHAKE_OPS:
+            raise ProtocolError(f"the first frames must be HELLO and AUTH, got {header.op.name}")
         # Before any buffer of this frame exists: the bytes it may make us hold.
         need = admission.admit_header(header, self.authenticated)
         await self.ticket.take(need, admission.wait_s, header.op.name)

@@ -25,7 +25,7 @@ from banaserve.kvstore.admission import (
     ByteBudget,
     ConnectionGate,
 )
-from banaserve.kvstore.auth import Authenticator, Grant, check_clear, check_hello
+from banaserve.kvstore.auth import Authenticator, Grant, Handshake, check_clear
 from banaserve.kvstore.claims import DEFAULT_MAX_CLAIMS, ClaimTable
 from banaserve.kvstore.protocol import MISSING, PROTOCOL_VERSION, Limits, Op, ProtocolError
 from banaserve.kvstore.server.lookup import Waiter, serve_lookup
@@ -51,7 +51,7 @@ class ServerConfig:
     #: tenant -> token: each token grants that tenant's keyspace only (see ``auth``).
     tenant_tokens: dict[str, str] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
-    #: A new connection must complete HELLO within this many seconds.
+    #: A new connection must send HELLO and AUTH within this many seconds (each, over tcp://).
     hello_timeout: float = 10.0
     store_threads: int = 4
     #: Call the store on the event loop itself. Right for a RAM-only store, whose calls never
@@ -83,9 +83,11 @@ class ServerConfig:
 class Session(Waiter, Protocol):
     """What a handler reads and sets of the connection that sent the request."""
 
+    #: Whether AUTH succeeded (every op but HELLO and AUTH needs it).
     authenticated: bool
-    #: What the HELLO's token granted.
+    #: What the AUTH's token granted.
     grant: Grant
+    handshake: Handshake
 
     @property
     def shm_size(self) -> int | None:
@@ -170,6 +172,7 @@ class StoreOps:
         self._started = time.monotonic()
         self._handlers: dict[Op, Handler] = {
             Op.HELLO: self.hello,
+            Op.AUTH: self.authenticate,
             Op.SHM_ATTACH: self.shm_attach,
             Op.EXISTS: self.exists,
             Op.GET: self.get,
@@ -188,7 +191,13 @@ class StoreOps:
             raise ProtocolError(f"unhandled op {op.name}") from None
 
     async def hello(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
-        session.grant = check_hello(control, session.authenticated, self.auth)
+        nonce = session.handshake.hello(control)
+        return Reply({"version": PROTOCOL_VERSION, "server": SERVER_NAME, "nonce": nonce})
+
+    async def authenticate(
+        self, session: Session, control: dict[str, Any], data: memoryview
+    ) -> Reply:
+        session.grant, server_proof = session.handshake.auth(control, self.auth)
         self.admission.gate.promote()
         session.authenticated = True
         spec = control.get("shm")
@@ -203,6 +212,7 @@ class StoreOps:
                 "max_payload": limits.max_payload if in_shm else self.admission.max_payload(limits),
                 "shm": {"name": segment[0], "size": segment[1]} if segment else False,
                 "tenant": session.grant.tenant,
+                "proof": server_proof,
             }
         )
 

@@ -10,8 +10,8 @@ because the SSD tier may block on disk and the event loop must keep serving othe
 
 Memory: what peers can make the server hold is bounded before it is allocated (connections,
 a stranger's bytes, every request's buffers from one budget; see
-:mod:`banaserve.kvstore.admission`). Access: HELLO's token grants the shared keyspace or one
-tenant's (see :mod:`banaserve.kvstore.auth`).
+:mod:`banaserve.kvstore.admission`). Access: AUTH (a proof of a token) grants the shared
+keyspace or one tenant's (see :mod:`banaserve.kvstore.auth`).
 
 In-flight prefix coalescing (LOOKUP, RELEASE; see :mod:`banaserve.kvstore.claims`): the
 server keeps a :class:`ClaimTable` on its event loop. A LOOKUP that waits for a claimed key
@@ -182,7 +182,7 @@ class KvStoreServer:
     def _evict_oldest_stranger(self) -> bool:
         """Close the connection that has waited longest without authenticating, to make room
         for a new one: strangers that hold their slots idle cannot lock out a peer with the
-        token, whose HELLO follows its connect at once. False if none is left to close."""
+        token, whose HELLO and AUTH follow its connect at once. False if none is left to close."""
         strangers = [c for c in self._connections if not c.authenticated and not c.evicted]
         if not strangers:
             return False

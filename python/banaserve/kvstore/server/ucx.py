@@ -15,7 +15,7 @@ when idle and wakes at least every 100 ms to notice :meth:`UcxListenerHandle.clo
 
 Validation, admission and access are the TCP server's (see :mod:`.conn`, :mod:`.ops`,
 :mod:`banaserve.kvstore.admission`, :mod:`banaserve.kvstore.auth`): headers checked against
-:class:`Limits`, HELLO first (its token checked by the same kind of
+:class:`Limits`, HELLO and AUTH first (the token's proof checked by the same kind of
 :class:`~banaserve.kvstore.auth.Authenticator`), a stranger's frames held to the
 pre-authentication bounds, an authenticated request's buffers (and a GET reply's pages until
 sent) charged to the process's one in-flight budget before they exist (a request that does not
@@ -55,6 +55,7 @@ from banaserve.kvstore.admission import Admission, Ticket, request_buffer
 from banaserve.kvstore.auth import map_control_keys
 from banaserve.kvstore.op_specs import payload_segments, validate_request
 from banaserve.kvstore.protocol import (
+    HANDSHAKE_OPS,
     HEADER_BYTES,
     ErrorCode,
     Header,
@@ -313,8 +314,10 @@ class UcxListenerHandle:
         conn.recv = []
         if conn.header is None:
             header = decode_header(conn.header_buf, limits)
-            if not conn.authenticated and header.op is not Op.HELLO:
-                raise ProtocolError(f"the first frame must be HELLO, got {header.op.name}")
+            if not conn.authenticated and header.op not in HANDSHAKE_OPS:
+                raise ProtocolError(
+                    f"the first frames must be HELLO and AUTH, got {header.op.name}"
+                )
             conn.header = header
             conn.frame_deadline = time.monotonic() + self.admission.frame_timeout
             # Before any buffer of this frame exists: the bytes it may make us hold.

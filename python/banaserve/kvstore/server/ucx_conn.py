@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from banaserve.kvstore.admission import Admission, Ticket
-from banaserve.kvstore.auth import OPEN, Grant
+from banaserve.kvstore.auth import OPEN, Grant, Handshake
 from banaserve.kvstore.protocol import HEADER_BYTES, ErrorCode, Header, ProtocolError
 
 
@@ -23,6 +23,7 @@ class UcxConn:
         self.admitted = admitted
         self.authenticated = False
         self.grant: Grant = OPEN
+        self.handshake = Handshake()
         #: Never set: without endpoint error handling the server does not see a peer die, and
         #: nothing waits on a ucx:// connection's behalf (no claims here).
         self.gone = False
@@ -53,7 +54,7 @@ class UcxConn:
         return None
 
     def create_shm(self, size: int) -> tuple[str, int]:
-        raise ProtocolError("HELLO: shared memory is not offered over ucx://", ErrorCode.SHM)
+        raise ProtocolError("AUTH: shared memory is not offered over ucx://", ErrorCode.SHM)
 
     def watch_eof(self, on_gone: Callable[[], None]) -> Callable[[], None]:
         raise NotImplementedError("nothing waits on a ucx:// connection's behalf")

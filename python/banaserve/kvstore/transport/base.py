@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from banaserve.kvstore.protocol import PROTOCOL_VERSION, Op
+from banaserve.kvstore.auth import check_server_proof, client_proof
+from banaserve.kvstore.protocol import NONCE_BYTES, PROTOCOL_VERSION, Op, ProtocolError
 
 SCHEMES = ("tcp", "shm", "ucx")
 
@@ -87,17 +88,28 @@ class Transport(ABC):
 
     @abstractmethod
     def connect(self, token: str | None) -> dict[str, Any]:
-        """Open the connection and authenticate (HELLO); returns the server's HELLO reply."""
+        """Open the connection and authenticate (HELLO, AUTH); returns the server's AUTH
+        reply."""
 
-    def _hello(self, token: str | None) -> dict[str, Any]:
-        """The HELLO control map; transports add what they negotiate (shm adds its segment)."""
-        client = f"pid {os.getpid()} {self.address.scheme}"
-        return {"version": PROTOCOL_VERSION, "token": token, "client": client}
+    def _auth_control(self, proof: bytes | None) -> dict[str, Any]:
+        """The AUTH control map; transports add what they negotiate (shm adds its segment)."""
+        return {"proof": proof}
 
     def _authenticate(self, token: str | None) -> dict[str, Any]:
-        """Send HELLO on a freshly opened connection; close it if that fails."""
+        """HELLO and AUTH on a freshly opened connection (the token itself never travels),
+        and check that the server holds the token too; close the connection if any of that
+        fails. Returns the server's AUTH reply."""
         try:
-            reply = self.request(Op.HELLO, self._hello(token))
+            nonce = os.urandom(NONCE_BYTES)
+            client = f"pid {os.getpid()} {self.address.scheme}"
+            hello = {"version": PROTOCOL_VERSION, "nonce": nonce, "client": client}
+            server_nonce = self.request(Op.HELLO, hello)["nonce"]
+            mine = None if token is None else client_proof(token, nonce, server_nonce)
+            reply = self.request(Op.AUTH, self._auth_control(mine))
+            try:
+                check_server_proof(token, nonce, server_nonce, reply.get("proof"))
+            except ProtocolError as exc:
+                raise KvStoreAuthError(f"kv store at {self.address.url}: {exc}") from None
         except BaseException:
             self.close()
             raise

@@ -70,8 +70,8 @@ class ShmTransport(TcpTransport):
             raise
         return reply
 
-    def _hello(self, token: str | None) -> dict[str, Any]:
-        return {**super()._hello(token), "shm": {"size": INITIAL_SEGMENT_BYTES}}
+    def _auth_control(self, proof: bytes | None) -> dict[str, Any]:
+        return {**super()._auth_control(proof), "shm": {"size": INITIAL_SEGMENT_BYTES}}
 
     def request(
         self,
