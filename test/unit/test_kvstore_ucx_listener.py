@@ -7,6 +7,7 @@ its own store process is ``e2e/test_kvstore_ucx.py``.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -204,4 +205,60 @@ def test_clear_over_ucx() -> None:
             assert shared.exists(keys[:2]) == [False, False] and tenant.exists(keys[2:]) == [False]
     finally:
         ucx.close()
+        store.close()
+
+
+def test_strangers_cannot_lock_out_a_peer_with_the_token_over_ucx() -> None:
+    """A ucx:// stranger (connected, never authenticated) holding the strangers' only slot is
+    closed to let a peer with the token in (before, that peer was turned away BUSY, and its
+    requests were misses)."""
+    import dataclasses
+
+    from banaserve.kvstore.admission import ConnectionGate
+    from banaserve.kvstore.server import ServerConfig
+    from banaserve.kvstore.storage import TieredStore
+    from banaserve.kvstore.transport import parse_url
+    from banaserve.kvstore.transport.ucx import UcxTransport
+    from banaserve.kvstore.ucx_server import start_ucx_listener
+    from support.kvstore_server import InProcessServer
+
+    class Stranger(UcxTransport):
+        def _authenticate(self, token: str | None) -> dict:
+            return {}  # holds its slot and says nothing
+
+    def progress(stranger: Stranger, stop: threading.Event) -> None:
+        # A live peer answers UCX's own traffic (the close): a frozen one blocks the
+        # listener's close of it, which this test does not cover.
+        while not stop.is_set():
+            if stranger._worker is not None:
+                stranger._worker.progress()
+            time.sleep(0.001)
+
+    store = TieredStore(64 << 20)
+    server = InProcessServer(store, ServerConfig(token=TOKEN))
+    gate = ConnectionGate(4, strangers=1)
+    admission = dataclasses.replace(server.server.admission, gate=gate)
+    ucx = start_ucx_listener(store, server.server.config, "127.0.0.1", 0, admission=admission)
+    stranger = Stranger(parse_url(ucx.url), 5.0)
+    keys, pages = _pages(2)
+    stop = threading.Event()
+    try:
+        stranger.connect(None)
+        progressing = threading.Thread(target=progress, args=(stranger, stop), daemon=True)
+        progressing.start()
+        deadline = time.monotonic() + 10
+        while gate.strangers < 1:  # the listener has taken it in
+            assert time.monotonic() < deadline, "the stranger was never accepted"
+            time.sleep(0.01)
+        with KvStoreClient(ucx.url, token=TOKEN, timeout=5.0) as client:
+            assert client.put(keys, pages) == [True, True]
+            assert client.exists(keys) == [True, True]
+        assert gate.turned_away == 0
+    finally:
+        stop.set()
+        if stranger._worker is not None:
+            progressing.join(timeout=10)
+        stranger.close()
+        ucx.close()
+        server.close()
         store.close()

@@ -4,10 +4,10 @@ Who can make the server allocate what, and the bound on it:
 
 - *A connection at all*: at most ``max_connections`` authenticated ones at once per listener
   (the TCP/shm one, the ucx:// one: a :class:`ConnectionGate` each), and apart from them a
-  quarter as many strangers. Over the strangers' cap the TCP listener closes the oldest
-  stranger to let the new connection in (a peer with the token sends its HELLO and AUTH at once, so
-  idle strangers cannot lock it out); the ucx:// one, and the TCP one when every stranger is
-  being closed already, sends the new connection :attr:`ConnectionGate.busy_frame` (encoded
+  quarter as many strangers. Over the strangers' cap a listener closes the oldest stranger to
+  let the new connection in (a peer with the token sends its HELLO and AUTH at once, so idle
+  strangers cannot lock it out); when every stranger is being closed already, it sends the
+  new connection :attr:`ConnectionGate.busy_frame` (encoded
   once) and closes it, with nothing allocated for it.
 - *A stranger* (a connection whose AUTH has not succeeded): its frames may carry a control map
   of at most :data:`PRE_AUTH_CONTROL_BYTES` and no payload (:meth:`Admission.admit_header`), so
@@ -85,6 +85,10 @@ def request_buffer(nbytes: int) -> bytearray | mmap.mmap:
         # fileno -1 adds MAP_ANONYMOUS; private, so it is not shmem and dies with its last view.
         return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     return bytearray(nbytes)
+
+
+#: What the oldest stranger is told when it is closed to let a new connection in.
+EVICTED_MESSAGE = "closed to make room: too many unauthenticated connections"
 
 
 class ConnectionGate:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from banaserve.kvstore.admission import MAX_TURNING_AWAY, Admission
+from banaserve.kvstore.admission import EVICTED_MESSAGE, MAX_TURNING_AWAY, Admission
 from banaserve.kvstore.claims import ClaimTable
 from banaserve.kvstore.protocol import (
     HEADER_BYTES,
@@ -95,9 +95,7 @@ class KvStoreServer:
         self._accept_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._turning_away: set[asyncio.Task[None]] = set()
-        self._evicted_frame = encode_error(
-            0, ErrorCode.BUSY, "closed to make room: too many unauthenticated connections"
-        )
+        self._evicted_frame = encode_error(0, ErrorCode.BUSY, EVICTED_MESSAGE)
         self._connections: set[Connection] = set()
         self._executor = ThreadPoolExecutor(
             self.config.store_threads, thread_name_prefix="kvstore-store"

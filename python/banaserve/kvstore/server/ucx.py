@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from banaserve.kvstore.admission import Admission, Ticket, request_buffer
+from banaserve.kvstore.admission import EVICTED_MESSAGE, Admission, Ticket, request_buffer
 from banaserve.kvstore.auth import map_control_keys
 from banaserve.kvstore.op_specs import payload_segments, validate_request
 from banaserve.kvstore.protocol import (
@@ -232,6 +232,9 @@ class UcxListenerHandle:
         while conn_id == 0 or conn_id in self._conns:
             conn_id = secrets.randbits(CONN_ID_BITS)
         admitted = self.admission.gate.try_enter()
+        if not admitted and self._evict_oldest_stranger():
+            self.admission.gate.enter_in_place()
+            admitted = True
         conn = UcxConn(conn_id, ep, time.monotonic() + self.config.hello_timeout, admitted)
         self._conns[conn_id] = conn
         id_buf = conn_id.to_bytes(8, "little")
@@ -242,6 +245,21 @@ class UcxListenerHandle:
             self._refuse(conn, ErrorCode.BUSY, self.admission.gate.busy_message)
             return
         self._post_header(conn)
+
+    def _evict_oldest_stranger(self) -> bool:
+        """Close the connection that has waited longest without authenticating, to make room
+        for a new one (as the TCP listener does); False if none is left to close."""
+        strangers = [
+            c for c in self._conns.values()
+            if c.admitted and not c.authenticated and c.closing_deadline is None
+        ]  # fmt: skip
+        if not strangers:
+            return False
+        oldest = min(strangers, key=lambda c: c.hello_deadline)
+        logger.info("closing ucx connection %x: the oldest of %d unauthenticated connections",
+                    oldest.id, len(strangers))  # fmt: skip
+        self._refuse(oldest, ErrorCode.BUSY, EVICTED_MESSAGE)
+        return True
 
     def _post_header(self, conn: UcxConn) -> None:
         # Zeroed so that a short (malformed) header message cannot replay the previous one.
