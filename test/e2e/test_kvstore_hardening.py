@@ -139,6 +139,11 @@ def test_tenant_tokens_isolate_keyspaces(tmp_path: Path) -> None:
         assert patterns.tenant_isolation(store.url, tokens, TOKEN) == []
     finally:
         store.stop()
+    # Each tenant's quota is RAM of its own: quotas that leave none for the shared token's
+    # keyspace are refused at start.
+    code, err = hostile.refused_start("--tenant-tokens", str(file), "--tenant-quota-gb", "1",
+                                      token=TOKEN)  # fmt: skip
+    assert code not in (None, 0) and "--tenant-quota-gb" in err and "do not fit" in err
 
 
 def test_wrong_token_is_refused(store: hostile.StoreProcess) -> None:

@@ -18,6 +18,7 @@ import socket
 import sys
 import textwrap
 import threading
+from pathlib import Path
 from typing import Any
 
 from banaserve.env import TENANT_TOKENS_ENV, TOKEN_ENV
@@ -33,6 +34,7 @@ from banaserve.kvstore.claims import CLAIM_BYTES, DEFAULT_MAX_CLAIMS
 from banaserve.kvstore.protocol import Limits
 from banaserve.kvstore.server.ops import ServerConfig
 from banaserve.kvstore.server.tcp import KvStoreServer
+from banaserve.kvstore.server.tenant_stores import build_tenant_stores
 from banaserve.kvstore.storage.base import PageStore
 
 logger = logging.getLogger("banaserve.kvstore.server")
@@ -99,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(TENANT_TOKENS_ENV),
         help=f"file of 'tenant:token' lines (default: ${TENANT_TOKENS_ENV}); each token grants "
         "only its tenant's keyspace, enforced by the server. chmod 600 it",
+    )
+    parser.add_argument(
+        "--tenant-quota-gb",
+        type=float,
+        default=None,
+        help="RAM each tenant of --tenant-tokens gets for its pages, in a store of its own (and "
+        "the same fraction of the SSD tier), so that no tenant evicts another's pages; the "
+        "shared token's keyspace gets the rest (default: an equal share for each tenant and "
+        "the shared token)",
     )
     parser.add_argument(
         "--insecure",
@@ -202,16 +213,26 @@ def check_exposure(host: str, authenticated: bool, ucx: bool, insecure: bool) ->
         logger.warning("INSECURE (--insecure): %s", problem)
 
 
-def _build_store(args: argparse.Namespace) -> PageStore:
+def _build_store(args: argparse.Namespace, config: ServerConfig) -> PageStore:
+    """The store; with tenant tokens, a store of its own for each tenant (its quota)."""
     from banaserve.kvstore.storage.tiered import TieredStore
 
     if args.ssd_dir is not None and args.ssd_capacity_gb <= 0:
         raise SystemExit("--ssd-dir needs --ssd-capacity-gb > 0")
-    return TieredStore(
-        int(args.capacity_gb * GiB),
-        ssd_dir=args.ssd_dir,
-        ssd_capacity_bytes=int(args.ssd_capacity_gb * GiB),
-    )
+    capacity, ssd_capacity = int(args.capacity_gb * GiB), int(args.ssd_capacity_gb * GiB)
+    ssd_dir = Path(args.ssd_dir) if args.ssd_dir is not None else None
+
+    def make(ram: int, folder: Path | None, ssd: int) -> PageStore:
+        return TieredStore(ram, ssd_dir=folder, ssd_capacity_bytes=ssd if folder else 0)
+
+    if not config.tenant_tokens:
+        return make(capacity, ssd_dir, ssd_capacity)
+    quota = None if args.tenant_quota_gb is None else int(args.tenant_quota_gb * GiB)
+    try:
+        return build_tenant_stores(make, capacity, ssd_dir, ssd_capacity,
+                                   config.tenant_tokens, bool(config.token), quota)  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"--tenant-quota-gb: {exc}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -263,7 +284,7 @@ async def serve(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     authenticated = bool(config.token or config.tenant_tokens)
     check_exposure(args.host, authenticated, args.ucx_port is not None, args.insecure)
-    store = _build_store(args)
+    store = _build_store(args, config)
     server = KvStoreServer(store, config)
     ucx = None
     try:
@@ -357,7 +378,7 @@ def ucx_main(argv: list[str] | None = None) -> None:
     full.insecure = args.insecure
     config = config_from_args(full)
     check_exposure(args.host, bool(config.token or config.tenant_tokens), True, args.insecure)
-    store = _build_store(full)
+    store = _build_store(full, config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -223,11 +223,12 @@ class StoreOps:
         return Reply({"name": name, "size": size})
 
     async def exists(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
-        return Reply({"present": await self._contains(control["keys"])})
+        return Reply({"present": await self._contains(session, control["keys"])})
 
     async def get(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
         keys, lengths = control["keys"], control["lengths"]
-        views = await self._in_store(read_pages, self.store, keys, lengths, control.get("range"))
+        store = self.store.for_tenant(session.grant.tenant)
+        views = await self._in_store(read_pages, store, keys, lengths, control.get("range"))
         sizes = [MISSING if v is None else v.nbytes for v in views]
         if session.grant.tenant is not None:
             tally = self._tenant_tally(session.grant.tenant)
@@ -240,7 +241,8 @@ class StoreOps:
         try:
             values = split_pages(data, control["sizes"])
             del data  # no view of the payload outlives the request (its buffer may be a mapping)
-            stored = await self._in_store(put_pages, self.store, keys, values)
+            store = self.store.for_tenant(session.grant.tenant)
+            stored = await self._in_store(put_pages, store, keys, values)
             if session.grant.tenant is not None:
                 tally = self._tenant_tally(session.grant.tenant)
                 tally["put_pages"] += len(keys)
@@ -264,7 +266,10 @@ class StoreOps:
         server = {"version": PROTOCOL_VERSION, "tenant": tenant,
                   "max_payload": self.admission.max_payload(self.config.limits),
                   **self._tenant_tally(tenant)}  # fmt: skip
-        return Reply({"store": {}, "server": server})
+        own = self.store.for_tenant(tenant)
+        # Its own store's totals when it has one (a quota); nothing of a store it shares.
+        return Reply({"store": asdict(own.stats()) if own is not self.store else {},
+                      "server": server})  # fmt: skip
 
     def _tenant_tally(self, tenant: str) -> dict[str, int]:
         """The counters of ``tenant``'s own GETs and PUTs (for its STATS)."""
@@ -275,10 +280,16 @@ class StoreOps:
 
     async def lookup(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
         if self.claims is None:
-            present = await self._contains(control["keys"])
+            present = await self._contains(session, control["keys"])
             return Reply({"present": present, "claimed": [False] * len(present)})
         return Reply(
-            await serve_lookup(self.claims, self.counters, self._contains, session, control)
+            await serve_lookup(
+                self.claims,
+                self.counters,
+                lambda keys: self._contains(session, keys),
+                session,
+                control,
+            )  # fmt: skip
         )
 
     async def release(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
@@ -317,5 +328,6 @@ class StoreOps:
             **self.config.info,
         }
 
-    async def _contains(self, keys: list[bytes]) -> list[bool]:
-        return await self._in_store(contains_all, self.store, keys)  # type: ignore[no-any-return]
+    async def _contains(self, session: Session, keys: list[bytes]) -> list[bool]:
+        store = self.store.for_tenant(session.grant.tenant)
+        return await self._in_store(contains_all, store, keys)  # type: ignore[no-any-return]

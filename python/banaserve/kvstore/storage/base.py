@@ -59,6 +59,11 @@ class PageStore(ABC):
         counted as evictions; the other counters run on. A ``put`` that returned before the
         call is dropped, one that starts after it returned is kept; a concurrent one either."""
 
+    def for_tenant(self, tenant: str | None) -> PageStore:
+        """The store of ``tenant``'s keyspace (None: the shared one): this store, unless
+        tenants have quotas (:class:`~banaserve.kvstore.server.tenant_stores.TenantStores`)."""
+        return self
+
     def flush(self) -> None:  # noqa: B027 - optional for tiers with no background writes
         """Block until every accepted page is durable in the last tier (no-op without SSD)."""
 
