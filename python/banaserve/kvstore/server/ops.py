@@ -289,7 +289,7 @@ class StoreOps:
                 lambda keys: self._contains(session, keys),
                 session,
                 control,
-            )  # fmt: skip
+            )
         )
 
     async def release(self, session: Session, control: dict[str, Any], data: memoryview) -> Reply:
