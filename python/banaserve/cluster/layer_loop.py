@@ -105,7 +105,7 @@ class LayerMigration:
     @classmethod
     def for_cluster(
         cls, board: Board, specs: list[InstanceSpec], split: LayerSplit, layout: LayerLayout,
-        model_path: Path, dtype: str, predictive: bool = False,
+        model_path: Path, dtype: str, config: LayerControllerConfig | None = None,
         instance_headers: Mapping[str, str] | None = None,
         admin_headers: Mapping[str, str] | None = None,
     ) -> LayerMigration:  # fmt: skip
@@ -113,7 +113,7 @@ class LayerMigration:
         split_urls = {s.url for s in splits}
         cores = {s.url: tuple(s.cores) for s in specs if s.cores and s.url not in split_urls}
         controller = LayerController(
-            splits, cores=cores, config=LayerControllerConfig(predictive=predictive),
+            splits, cores=cores, config=config or LayerControllerConfig(),
             boundary={s.url: split.boundary for s in splits},
         )  # fmt: skip
         return cls(board, controller, layout, instance_headers=instance_headers,

@@ -25,7 +25,14 @@ from typing import Any
 from aiohttp import web
 
 from banaserve.cluster.migration_loop import HISTORY, TICK_S, MigrationRefused, admin_call
-from banaserve.migration.role_controller import ROLES, TAKES, WORK, RoleController, RoleMove
+from banaserve.migration.role_controller import (
+    ROLES,
+    TAKES,
+    WORK,
+    RoleController,
+    RoleControllerConfig,
+    RoleMove,
+)
 from banaserve.router.base import Role
 from banaserve.router.board import Board, Member
 
@@ -53,12 +60,12 @@ class RoleMigration:
         self._by_name: dict[str, Member] = {spec.name: spec for spec in board.specs}
 
     @classmethod
-    def for_board(cls, board: Board) -> RoleMigration:
-        """The default controller over ``board``'s instances, knowing their cores (specs with
-        ``cores``) and the roles they were started in."""
+    def for_board(cls, board: Board, config: RoleControllerConfig | None = None) -> RoleMigration:
+        """A controller with ``config`` (default: the defaults) over ``board``'s instances,
+        knowing their cores (specs with ``cores``) and the roles they were started in."""
         cores = {s.url: tuple(s.cores) for s in board.specs if getattr(s, "cores", ())}
         home = {spec.url: Role(spec.role) for spec in board.specs}
-        return cls(board, RoleController(cores=cores, home=home))
+        return cls(board, RoleController(config or RoleControllerConfig(), cores=cores, home=home))
 
     def arrived(self, prompt_tokens: int, output_tokens: int) -> None:
         """The role controller reads no arrival trend."""

@@ -264,11 +264,12 @@ async def serve_gateway(
     placer_class = Placer if store_client is not None else NoStorePlacer
     migration: RoleMigration | LayerMigration | None = None
     if options.migration == "role":
-        migration = RoleMigration.for_board(board)
+        migration = RoleMigration.for_board(board, options.migration_costs.role_config())
     elif lending is not None:
         migration = LayerMigration.for_cluster(
             board, specs, lending.split, lending.layout, Path(model_path), lending.dtype,
-            predictive=options.migration_predictive, instance_headers=bearer(api_key),
+            options.migration_costs.layer_config(options.migration_predictive),
+            instance_headers=bearer(api_key),
             admin_headers=bearer(admin_token),
         )  # fmt: skip
     gateway = Gateway(

@@ -21,6 +21,7 @@ from banaserve.api.request_limits import (
     RequestLimits,
 )
 from banaserve.config.client_limits import ClientLimits
+from banaserve.config.migration_costs import MigrationCosts
 from banaserve.config.pipeline_options import add_pipeline_args
 from banaserve.config.restart_policy import RestartPolicy
 from banaserve.config.store_options import KvStoreOptions
@@ -109,6 +110,7 @@ class ClusterOptions:
     serve_on_spare_prefill: bool
     stall_timeout_s: float
     client_limits: ClientLimits
+    migration_costs: MigrationCosts
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterOptions | None:
@@ -143,6 +145,7 @@ class ClusterOptions:
             migration=args.migration,
             stall_timeout_s=args.stall_timeout,
             client_limits=ClientLimits.from_args(args),
+            migration_costs=MigrationCosts.from_args(args),
             spill_prefill=args.spill_prefill == "on",
             migration_predictive=args.migration_predictive,
             # Under layer migration the controller lends the prefill cores, layer by layer.
@@ -320,6 +323,7 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         "instance that has one to itself, K moved live by the gateway's controller (starting "
         "at --pp-layer-boundary, default L: nothing lent) (default: off).",
     )
+    MigrationCosts.add_args(cluster)
     cluster.add_argument(
         "--migration-predictive",
         action="store_true",

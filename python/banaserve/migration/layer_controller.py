@@ -41,7 +41,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from banaserve.migration.arrival_trend import Forecast
-from banaserve.migration.work import PREFILL_FULL_REQS, cores_busy, work_of
+from banaserve.migration.work import (
+    DECODE_FULL_REQS,
+    PREFILL_FULL_REQS,
+    cores_busy,
+    work_of,
+)
 from banaserve.router.base import Role
 from banaserve.router.load import InstanceLoad
 
@@ -101,8 +106,9 @@ class LayerControllerConfig:
     dwell_s: float = 20.0
     #: Weight of the newest sample in the smoothed demand (1: no smoothing).
     smoothing: float = 0.5
-    #: Copy bandwidth a move gets (bytes per second; gloo between two processes on one host).
-    copy_bytes_per_s: float = 500e6
+    #: Copy bandwidth a move gets, bytes per second: gloo send/recv between two processes on
+    #: one host, 64 MiB, measured at 2.4 GB/s on this project's CPU machine (FACTS.md).
+    copy_bytes_per_s: float = 2.4e9
     #: Seconds a move's gain is expected to last (about a phase of the load).
     payback_s: float = 20.0
     #: A move's copy may take at most this share of the core-seconds it saves.
@@ -115,6 +121,10 @@ class LayerControllerConfig:
     release_prefill: float = 1.0
     #: Scale demand by the arrival trend (:meth:`LayerController.step`'s ``forecast``).
     predictive: bool = False
+    #: Decoding requests and prefill steps one core serves at full speed
+    #: (:mod:`banaserve.migration.work`).
+    decode_full_reqs: float = DECODE_FULL_REQS
+    prefill_full_reqs: float = PREFILL_FULL_REQS
 
     def __post_init__(self) -> None:
         if self.split_cost < 1 or not 0 <= self.min_gain < 1 or not 0 < self.smoothing <= 1:
@@ -126,8 +136,10 @@ class LayerControllerConfig:
                              "not be negative")  # fmt: skip
         if self.release_prefill < self.max_lent_prefill:
             raise ValueError("release_prefill must be at least max_lent_prefill")
-        if self.copy_bytes_per_s <= 0 or self.max_copy_share <= 0:
-            raise ValueError("copy_bytes_per_s and max_copy_share must be positive")
+        if min(self.copy_bytes_per_s, self.max_copy_share, self.decode_full_reqs,
+               self.prefill_full_reqs) <= 0:  # fmt: skip
+            raise ValueError("copy_bytes_per_s, max_copy_share, decode_full_reqs and "
+                             "prefill_full_reqs must be positive")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -282,8 +294,9 @@ class LayerController:
         alpha = self.config.smoothing
         for load in loads:
             factor = self._factor(load, forecast)
-            busy = cores_busy(load) * factor
-            prefill = work_of(load)[Role.PREFILL] / PREFILL_FULL_REQS * factor
+            config = self.config
+            busy = cores_busy(load, config.decode_full_reqs, config.prefill_full_reqs) * factor
+            prefill = work_of(load)[Role.PREFILL] / config.prefill_full_reqs * factor
             self.demand[load.url] = alpha * busy + (1 - alpha) * self.demand.get(load.url, busy)
             self.prefill[load.url] = alpha * prefill + (1 - alpha) * self.prefill.get(
                 load.url, prefill
