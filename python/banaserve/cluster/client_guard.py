@@ -22,7 +22,7 @@ from banaserve.api.request_limits import (
     check_body_size,
     check_content_type,
 )
-from banaserve.cluster.http_errors import RETRY_AFTER_S, unavailable
+from banaserve.cluster.http_errors import RETRY_AFTER_S, error_payload, unavailable
 from banaserve.config.client_limits import ClientLimits
 
 logger = logging.getLogger(__name__)
@@ -134,8 +134,7 @@ class _Refuse(asyncio.Protocol):
     def __init__(self, cap: int) -> None:
         message = f"The gateway has {cap} client connections open, its limit " \
                   "(--max-client-connections); retry shortly."  # fmt: skip
-        body = json.dumps({"object": "error", "message": message, "code": 503,
-                           "type": "ServiceUnavailableError", "param": None}).encode()  # fmt: skip
+        body = json.dumps(error_payload(503, message, "ServiceUnavailableError")).encode()
         self.answer = (
             b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             b"Retry-After: %d\r\nConnection: close\r\n"

@@ -12,8 +12,12 @@ def error_response(
     status: int, message: str, kind: str = "BadRequestError", headers: dict[str, str] | None = None
 ) -> web.Response:
     """An error in the shape SGLang's OpenAI server uses (its native API reads it too)."""
-    payload = {"object": "error", "message": message, "type": kind, "code": status}
-    return web.json_response(payload, status=status, headers=headers)
+    return web.json_response(error_payload(status, message, kind), status=status, headers=headers)
+
+
+def error_payload(status: int, message: str, kind: str) -> dict[str, object]:
+    """The body of :func:`error_response`."""
+    return {"object": "error", "message": message, "type": kind, "code": status}
 
 
 def unavailable(message: str) -> web.Response:
