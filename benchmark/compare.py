@@ -47,7 +47,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,6 +91,8 @@ FULL_SYSTEMS = (
 QUICK_SYSTEMS = ("coloc_2_round_robin", "coloc_hicache", "stock_cache_aware", "banaserve")
 QUICK_WORKLOADS = ("hotspot", "hotspot_long", "cache_pressure", "uniform", "chat", "decode_heavy")
 ABLATION_WORKLOADS = ("hotspot", "cache_pressure")
+#: ``--base-tree``'s system: BanaServe's defaults from another checkout.
+BASE_SYSTEM = "banaserve_base"
 WARM_UP_PROMPT = "Warm-up {i}: the weather in a town that no measured prompt mentions is"
 #: About 12 tokens a line: a long warm-up prompt is over BanaServe's handoff threshold twice.
 WARM_UP_LINE = "Line {j} of warm-up {i}, about a town that no measured prompt mentions. "
@@ -234,6 +236,11 @@ def parse_args() -> argparse.Namespace:
         "and workload this run does not measure again; a later folder's over an earlier's)",
     )  # fmt: skip
     parser.add_argument(
+        "--base-tree", type=Path, default=None,
+        help="also run 'banaserve_base': BanaServe with its default flags from this checkout's "
+        "python/ (say, `git worktree add /tmp/base REV`), for an A/B of two commits in one run",
+    )  # fmt: skip
+    parser.add_argument(
         "--report-only", action="store_true",
         help="measure no system (only the sweep, with --sweep): report the --include folders",
     )  # fmt: skip
@@ -251,7 +258,11 @@ def parse_args() -> argparse.Namespace:
         args.system_names = []
     if args.ablation:
         args.system_names += [a for a in ABLATIONS if a not in args.system_names]
-    unknown = set(args.system_names) - set(known)
+    if args.base_tree is not None:
+        if not (args.base_tree / "python" / "banaserve").is_dir():
+            parser.error(f"--base-tree {args.base_tree}: no python/banaserve there")
+        args.system_names.append(BASE_SYSTEM)
+    unknown = set(args.system_names) - set(known) - {BASE_SYSTEM}
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; known: {', '.join(known)}")
     every = workloads(args.quick, args.scale)
@@ -278,6 +289,8 @@ def main() -> None:
     budget = Budget(args.dtype, args.kv_tokens or (6144 if args.quick else 16384))
     kv_bytes = attribution.kv_bytes_per_token(args.model, args.dtype)
     known = known_systems()
+    if args.base_tree is not None:
+        known[BASE_SYSTEM] = replace(known["banaserve"], name=BASE_SYSTEM, tree=args.base_tree)
     code = provenance(banaserve_env())
     load_before = os.getloadavg()
     # A later folder's result replaces an earlier one's for the same system and workload.

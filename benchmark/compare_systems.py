@@ -74,6 +74,9 @@ class SystemSpec:
     #: ``banaserve``: its prefill and decode instances.
     prefill: int = NUM_PREFILL
     decode: int = NUM_DECODE
+    #: ``banaserve``: a checkout whose ``python/`` its processes import instead (an A/B of
+    #: two commits in one run: ``compare.py --base-tree``).
+    tree: Path | None = None
 
     @property
     def migrates(self) -> bool:
@@ -209,11 +212,14 @@ def clear_banaserve(url: str, migrates: bool) -> None:
         post(f"{url}/migration", {"reset": True}, timeout=30)
 
 
-def banaserve_env() -> dict[str, str]:
-    """The environment of BanaServe's processes: the installed package where it has its built
-    extension (``--kv-store-mode linker`` needs ``banaserve._C``), else this source tree."""
-    probe = [sys.executable, "-c", "import banaserve._C"]
+def banaserve_env(tree: Path | None = None) -> dict[str, str]:
+    """The environment of BanaServe's processes: ``tree``'s source (a checkout) where given;
+    else the installed package where it has its built extension (``--kv-store-mode linker``
+    needs ``banaserve._C``), else this source tree."""
     env = dict(os.environ, BANASERVE_ADMIN_TOKEN=BENCH_ADMIN_TOKEN)
+    if tree is not None:
+        return dict(env, PYTHONPATH=str(tree.resolve() / "python"))
+    probe = [sys.executable, "-c", "import banaserve._C"]
     if subprocess.run(probe, capture_output=True, cwd="/").returncode == 0:
         return env
     return dict(env, PYTHONPATH=str(REPO / "python"))
@@ -237,7 +243,8 @@ def start_banaserve(
 ) -> Iterator[Running]:
     port = free_port()
     argv = banaserve_argv(spec, model, budget, port, out / spec.name, pin)
-    process = ManagedProcess(spec.name, argv, out / spec.name / "gateway.log", env=banaserve_env())
+    process = ManagedProcess(spec.name, argv, out / spec.name / "gateway.log",
+                             env=banaserve_env(spec.tree))  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
         process.wait_http_ok(f"{url}/health", START_TIMEOUT_S, progress_every=30)

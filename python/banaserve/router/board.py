@@ -63,6 +63,7 @@ class Member(Protocol):
 class _Inflight:
     requests: int = 0
     prefill_tokens: int = 0
+    handoff_tokens: int = 0  # of prefill_tokens, those of handoffs' prefill steps
 
 
 @dataclass
@@ -138,7 +139,7 @@ class Board:
         return [
             replace(merged[spec.url], core_peer_reqs=sum(
                 merged[peer].batch_reqs for peer in self._peers[spec.url] if merged[peer].healthy
-            ))
+            ), queued_handoff_tokens=self._inflight[spec.url].handoff_tokens)
             for spec in self.specs
             if self._roles[spec.url] == role
         ]  # fmt: skip
@@ -150,24 +151,30 @@ class Board:
     def healthy(self, role: str) -> list[InstanceLoad]:
         return [load for load in self.candidates(role) if load.healthy]
 
-    def begin(self, url: str, prefill_tokens: int) -> None:
+    def begin(self, url: str, prefill_tokens: int, handoff: bool = False) -> None:
         """A request was sent to ``url``; ``prefill_tokens`` of its prompt count as queued
-        prefill work there until :meth:`end`."""
+        prefill work there until :meth:`end`, and with ``handoff`` (a handoff's prefill step)
+        as queued handoff work too."""
         inflight = self._inflight[url]
         inflight.requests += 1
         inflight.prefill_tokens += prefill_tokens
+        inflight.handoff_tokens += prefill_tokens if handoff else 0
         self.stats[url].routed += 1
 
-    def end(self, url: str, prefill_tokens: int) -> None:
-        """The request :meth:`begin` booked on ``url`` ended (answered, failed or abandoned)."""
+    def end(self, url: str, prefill_tokens: int, handoff: bool = False) -> None:
+        """The request :meth:`begin` booked on ``url`` ended (answered, failed or abandoned);
+        ``prefill_tokens`` and ``handoff`` as booked."""
         inflight = self._inflight[url]
         inflight.requests -= 1
         inflight.prefill_tokens -= prefill_tokens
+        inflight.handoff_tokens -= prefill_tokens if handoff else 0
 
-    def prefilled(self, url: str, prefill_tokens: int) -> None:
+    def prefilled(self, url: str, prefill_tokens: int, handoff: bool = False) -> None:
         """The prompt of a request :meth:`begin` booked on ``url`` was computed (its first
         token came back): its ``prefill_tokens`` stop counting as queued there."""
-        self._inflight[url].prefill_tokens -= prefill_tokens
+        inflight = self._inflight[url]
+        inflight.prefill_tokens -= prefill_tokens
+        inflight.handoff_tokens -= prefill_tokens if handoff else 0
 
     def inflight_requests(self, url: str) -> int:
         """Requests sent to ``url`` that have not ended."""
