@@ -144,6 +144,23 @@ def test_a_burst_of_uncached_long_requests_alternates_between_the_two_cores() ->
     assert [p.url for p in picks] == ["http://d0", "http://p1"] * 8
 
 
+#: Output lengths of a burst as decode_heavy draws them (48 to 256).
+LENGTHS = [256, 48, 200, 64, 180, 90, 250, 50, 120, 130, 60, 240, 70, 210, 100, 150]
+
+
+def test_a_burst_splits_the_output_tokens_owed_evenly_between_the_cores() -> None:
+    """Each long request goes to the core owing fewer tokens, so both cores finish together:
+    alternating by count would leave decode-0's core owing 1,236 tokens and prefill-1's 982."""
+    router = router_2p1d()
+    owed = {"http://d0": 0, "http://p1": 0}
+    for i, n in enumerate(LENGTHS):
+        shape = RequestShape(GENERATE, f"{i} " + "words of a prompt " * 50, MIN - 6, False, n)
+        plan = router.plan(shape)
+        owed[router.pick(Role.DECODE, shape, prefill_tokens=plan.uncached_tokens).url] += n
+    assert sum(owed.values()) == sum(LENGTHS)
+    assert abs(owed["http://d0"] - owed["http://p1"]) <= 120  # 1,166 and 1,052
+
+
 def test_a_handoffs_serve_step_takes_a_spare_prefill_core() -> None:
     router = router_2p1d()
     document = RequestShape(GENERATE, "A new document. " * 400, 1600, False, 48)

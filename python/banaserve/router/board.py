@@ -64,6 +64,7 @@ class _Inflight:
     requests: int = 0
     prefill_tokens: int = 0
     handoff_tokens: int = 0  # of prefill_tokens, those of handoffs' prefill steps
+    decode_tokens: int = 0  # the most output tokens its requests may still generate
 
 
 @dataclass
@@ -136,10 +137,15 @@ class Board:
         """Every instance of ``role``, healthy or not, with the router's in-flight work and
         the requests of the healthy instances that share its cores (``core_peer_reqs``)."""
         merged = {spec.url: self._with_inflight(spec.url) for spec in self.specs}
+
+        def on_cores(url: str) -> list[str]:
+            return [url, *(peer for peer in self._peers[url] if merged[peer].healthy)]
+
         return [
             replace(merged[spec.url], core_peer_reqs=sum(
-                merged[peer].batch_reqs for peer in self._peers[spec.url] if merged[peer].healthy
-            ), queued_handoff_tokens=self._inflight[spec.url].handoff_tokens)
+                merged[peer].batch_reqs for peer in on_cores(spec.url)[1:]
+            ), queued_handoff_tokens=self._inflight[spec.url].handoff_tokens,
+                core_decode_tokens=sum(self._inflight[u].decode_tokens for u in on_cores(spec.url)))
             for spec in self.specs
             if self._roles[spec.url] == role
         ]  # fmt: skip
@@ -151,23 +157,28 @@ class Board:
     def healthy(self, role: str) -> list[InstanceLoad]:
         return [load for load in self.candidates(role) if load.healthy]
 
-    def begin(self, url: str, prefill_tokens: int, handoff: bool = False) -> None:
+    def begin(self, url: str, prefill_tokens: int, handoff: bool = False,
+              decode_tokens: int = 0) -> None:  # fmt: skip
         """A request was sent to ``url``; ``prefill_tokens`` of its prompt count as queued
         prefill work there until :meth:`end`, and with ``handoff`` (a handoff's prefill step)
-        as queued handoff work too."""
+        as queued handoff work too; ``decode_tokens``, the most it may generate, count as owed
+        there until :meth:`end`."""
         inflight = self._inflight[url]
         inflight.requests += 1
         inflight.prefill_tokens += prefill_tokens
         inflight.handoff_tokens += prefill_tokens if handoff else 0
+        inflight.decode_tokens += decode_tokens
         self.stats[url].routed += 1
 
-    def end(self, url: str, prefill_tokens: int, handoff: bool = False) -> None:
+    def end(self, url: str, prefill_tokens: int, handoff: bool = False,
+            decode_tokens: int = 0) -> None:  # fmt: skip
         """The request :meth:`begin` booked on ``url`` ended (answered, failed or abandoned);
-        ``prefill_tokens`` and ``handoff`` as booked."""
+        the counts as booked."""
         inflight = self._inflight[url]
         inflight.requests -= 1
         inflight.prefill_tokens -= prefill_tokens
         inflight.handoff_tokens -= prefill_tokens if handoff else 0
+        inflight.decode_tokens -= decode_tokens
 
     def prefilled(self, url: str, prefill_tokens: int, handoff: bool = False) -> None:
         """The prompt of a request :meth:`begin` booked on ``url`` was computed (its first

@@ -35,6 +35,8 @@ class Pick:
     prefill_tokens: int
     #: A serve step on a prefill instance because no decode instance is healthy.
     fallback: bool = False
+    #: Output tokens booked as owed there until ``done`` (a serve step's ``max_new_tokens``).
+    decode_tokens: int = 0
 
 
 class Router:
@@ -132,8 +134,9 @@ class Router:
         if spare:
             chosen = spare_prefill_or(chosen, spare)
         tokens = shape.prompt_tokens if prefill_tokens is None else prefill_tokens
-        self.board.begin(chosen.url, tokens, handoff=role == Role.PREFILL)
-        return Pick(chosen.url, role, Role(chosen.role), tokens, fallback)
+        owed = shape.decode_tokens if role == Role.DECODE else 0
+        self.board.begin(chosen.url, tokens, handoff=role == Role.PREFILL, decode_tokens=owed)
+        return Pick(chosen.url, role, Role(chosen.role), tokens, fallback, owed)
 
     def first_token(self, pick: Pick) -> Pick:
         """``pick``'s instance answered its first token, so its prompt is computed: the pick
@@ -144,7 +147,8 @@ class Router:
 
     def done(self, pick: Pick, shape: RequestShape) -> None:
         """The step :meth:`pick` placed has ended (answered, failed or abandoned)."""
-        self.board.end(pick.url, pick.prefill_tokens, handoff=pick.step == Role.PREFILL)
+        self.board.end(pick.url, pick.prefill_tokens, handoff=pick.step == Role.PREFILL,
+                       decode_tokens=pick.decode_tokens)  # fmt: skip
         policy = self.prefill_policy if pick.step == Role.PREFILL else self.decode_policy
         policy.on_done(pick.url, shape.prompt)
 
