@@ -134,21 +134,23 @@ class Board:
         return previous
 
     def candidates(self, role: str) -> list[InstanceLoad]:
-        """Every instance of ``role``, healthy or not, with the router's in-flight work and
-        the requests of the healthy instances that share its cores (``core_peer_reqs``)."""
+        """Every instance of ``role``, healthy or not, with the router's in-flight work: the
+        requests of the healthy instances that share its cores (``core_peer_reqs``), the
+        output tokens owed on those cores (``core_decode_tokens``) and its handoffs' prompts
+        waiting (``queued_handoff_tokens``)."""
         merged = {spec.url: self._with_inflight(spec.url) for spec in self.specs}
-
-        def on_cores(url: str) -> list[str]:
-            return [url, *(peer for peer in self._peers[url] if merged[peer].healthy)]
-
-        return [
-            replace(merged[spec.url], core_peer_reqs=sum(
-                merged[peer].batch_reqs for peer in on_cores(spec.url)[1:]
-            ), queued_handoff_tokens=self._inflight[spec.url].handoff_tokens,
-                core_decode_tokens=sum(self._inflight[u].decode_tokens for u in on_cores(spec.url)))
-            for spec in self.specs
-            if self._roles[spec.url] == role
-        ]  # fmt: skip
+        out = []
+        for spec in self.specs:
+            if self._roles[spec.url] != role:
+                continue
+            peers = [peer for peer in self._peers[spec.url] if merged[peer].healthy]
+            out.append(replace(
+                merged[spec.url],
+                core_peer_reqs=sum(merged[peer].batch_reqs for peer in peers),
+                core_decode_tokens=sum(self._inflight[u].decode_tokens for u in [spec.url, *peers]),
+                queued_handoff_tokens=self._inflight[spec.url].handoff_tokens,
+            ))  # fmt: skip
+        return out
 
     def _with_inflight(self, url: str) -> InstanceLoad:
         inflight = self._inflight[url]
