@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("cluster",),  # gateway, supervisor, processes, the migration loops
     ("server", "sglang_ext", "platform"),  # what one SGLang instance adds, and its patches
     ("config",),  # typed options of the launcher, the store, the pipeline
-    ("kvstore", "pipeline", "models", "attention"),  # the store and the data paths
+    ("kvstore", "pipeline", "models", "attention", "offload"),  # the store and the data paths
     ("migration",),  # pure: the controllers
     ("router",),  # pure: routing, placement, the load board
     ("api", "env", "utils", "_C", "__init__"),  # request checks, variable names, helpers
