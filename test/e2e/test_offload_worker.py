@@ -74,9 +74,10 @@ def test_a_move_that_does_not_fit_is_refused_with_its_reason(worker: WorkerProce
 
 
 def test_a_killed_worker_is_reported_never_answered_for() -> None:
-    process = WorkerProcess(4 * spec("x").nbytes, AREA, timeout_s=2.0)
+    process = WorkerProcess(4 * spec("x").nbytes, AREA, timeout_s=TIMEOUT_S)
     client = process.client
     client.reserve(spec("a"))
+    client.timeout_s = 2.0  # how long a call waits before it gives the dead worker up
     process.process.send_signal(signal.SIGKILL)
     process.process.wait(TIMEOUT_S)
     with pytest.raises((WorkerGone, LateAnswer)):

@@ -290,7 +290,8 @@ class Gateway:
             try:
                 pick = self.router.pick(Role.DECODE, shape, tried, only=only,
                                         any_role=placement.any_role,
-                                        prefill_tokens=placement.uncached_tokens)  # fmt: skip
+                                        prefill_tokens=placement.uncached_tokens,
+                                        handed_off=placement.handoff)  # fmt: skip
             except NoHealthyInstance:
                 self.counters.errors += 1
                 return unavailable(f"No instance could serve the request: {last_error}.")
