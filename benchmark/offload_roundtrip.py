@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -149,11 +149,9 @@ def time_gloo(batch: int, tokens: int, iters: int) -> list[float]:
 
 
 def measure(transport: str, batch: int, tokens: int, iters: int) -> list[float]:
-    run: Callable[[], list[float]] = (
-        (lambda: time_gloo(batch, tokens, iters)) if transport == "gloo"
-        else (lambda: time_worker(transport, batch, tokens, iters))
-    )  # fmt: skip
-    return run()
+    if transport == "gloo":
+        return time_gloo(batch, tokens, iters)
+    return time_worker(transport, batch, tokens, iters)
 
 
 def main() -> None:

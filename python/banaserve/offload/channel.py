@@ -131,8 +131,8 @@ class SocketChannel:
 
     def __init__(self, sock: socket.socket, max_bytes: int) -> None:
         self.sock = sock
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1) if sock.family in (
-            socket.AF_INET, socket.AF_INET6) else None  # fmt: skip
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._out = bytearray(max_bytes)
         self._in = bytearray(max_bytes)
 
