@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 from aiohttp import web
 
 from banaserve.api.request_validation import CHAT, GENERATE
@@ -13,7 +14,7 @@ from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.relay_bodies import StreamTail, computed_prompt_tokens
 from banaserve.cluster.topology import DECODE, InstanceSpec
 from banaserve.router.request_shape import shape_request
-from support.gateway import gateway_for, post, upstream
+from support.gateway import ADMIN, gateway_for, post, upstream
 
 
 def events(*payloads: object) -> list[bytes]:
@@ -89,5 +90,49 @@ def test_the_gateway_books_a_streamed_answers_prompt_tokens() -> None:
             stats = board.stats[specs[0].url]
         assert status == 200 and text.rstrip().endswith("data: [DONE]")
         assert (stats.prompt_tokens, stats.computed_prompt_tokens) == (64, 16)
+
+    asyncio.run(scenario())
+
+
+def test_a_streams_end_is_seen_across_chunk_boundaries() -> None:
+    tail = StreamTail()
+    tail.add(events({"text": "a"})[0])
+    assert not tail.ended
+    tail.add(b"data: [DO")
+    assert not tail.ended
+    tail.add(b"NE]\n\n")
+    assert tail.ended
+
+
+def test_the_counts_are_booked_before_the_client_reads_the_streams_end() -> None:
+    """A client that reads ``/cluster`` right after ``[DONE]`` sees its turn counted, even
+    while the instance has not closed the stream yet."""
+    release = asyncio.Event()
+
+    async def streamed(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for chunk in events({"text": "a", "meta_info": {"prompt_tokens": 64,
+                                                       "cached_tokens": 48}}):  # fmt: skip
+            await out.write(chunk)
+        await release.wait()  # the instance closes the stream later
+        return out
+
+    async def scenario() -> None:
+        async with upstream(streamed) as port:
+            specs = [InstanceSpec("decode-0", DECODE, port)]
+            board = LoadBoard(specs)
+            async with (
+                gateway_for(specs, board) as url,
+                aiohttp.ClientSession(headers=ADMIN) as session,
+                session.post(f"{url}/generate", json={"text": "hi", "stream": True}) as response,
+            ):
+                async for line in response.content:
+                    if line.strip() == b"data: [DONE]":
+                        break
+                stats = board.stats[specs[0].url]
+                booked = (stats.prompt_tokens, stats.computed_prompt_tokens)
+                release.set()
+        assert booked == (64, 16)
 
     asyncio.run(scenario())

@@ -25,10 +25,11 @@ CHAT = "You are a helpful assistant. " * 80  # a cached system prompt: no handof
 
 
 def load(url: str, role: str, reqs: int = 0, queued_tokens: int = 0, peers: int = 0,
-         healthy: bool = True, kv_used: int = 0) -> InstanceLoad:  # fmt: skip
+         healthy: bool = True, kv_used: int = 0,
+         handoff_tokens: int = 0) -> InstanceLoad:  # fmt: skip
     return InstanceLoad(url, role, healthy, running_reqs=reqs, queued_prefill_tokens=queued_tokens,
                         core_peer_reqs=peers, kv_capacity_tokens=1000 if kv_used else 0,
-                        kv_used_tokens=kv_used)  # fmt: skip
+                        kv_used_tokens=kv_used, queued_handoff_tokens=handoff_tokens)  # fmt: skip
 
 
 DECODE_BUSY = load("d0", "decode", reqs=2)
@@ -43,10 +44,10 @@ DECODE_BUSY = load("d0", "decode", reqs=2)
         ([load("p1", "prefill", reqs=2)], "d0"),
         # prefill-0 shares decode-0's core (its neighbours' requests count): never spare.
         ([load("p0", "prefill", peers=2)], "d0"),
-        # A prompt waits there for its prefill step: the prompt comes first.
-        ([load("p1", "prefill", queued_tokens=MIN)], "d0"),
-        # Less than a handoff's worth queued (a direct request's booked tail) does not count.
-        ([load("p1", "prefill", reqs=1, queued_tokens=MIN - 1)], "p1"),
+        # A handoff's prompt waits there for its prefill step: the prompt comes first.
+        ([load("p1", "prefill", queued_tokens=MIN, handoff_tokens=MIN)], "d0"),
+        # Direct requests' own prompts, however long, do not close it.
+        ([load("p1", "prefill", reqs=1, queued_tokens=4 * MIN)], "p1"),
         # Unhealthy or KV saturated: not spare.
         ([load("p1", "prefill", healthy=False)], "d0"),
         ([load("p1", "prefill", kv_used=950)], "d0"),
@@ -58,7 +59,7 @@ DECODE_BUSY = load("d0", "decode", reqs=2)
 def test_a_long_request_takes_a_spare_prefill_core_only(
     prefill: list[InstanceLoad], chosen: str
 ) -> None:
-    assert spare_prefill_or(DECODE_BUSY, prefill, MIN).url == chosen
+    assert spare_prefill_or(DECODE_BUSY, prefill).url == chosen
 
 
 @dataclass(frozen=True)
@@ -128,14 +129,56 @@ def test_off_or_under_a_baseline_policy_long_requests_stay_on_decode(on: bool, p
     assert {serve(router, chat(turn)).url for turn in range(1, 5)} == {"http://d0"}
 
 
-def test_a_handoffs_serve_step_stays_on_decode() -> None:
+def test_a_burst_of_uncached_long_requests_alternates_between_the_two_cores() -> None:
+    """16 long requests with prompts of their own (too short for a handoff) arrive at once:
+    each books its prompt where it goes, and that must not close prefill-1 to the next ones
+    (it did: 3 of 16 went there, the rest queued on decode-0's core)."""
     router = router_2p1d()
+    shapes = [RequestShape(GENERATE, f"{i} " + "words of a prompt " * 50, MIN - 6, False, 200)
+              for i in range(16)]  # fmt: skip
+    picks = []
+    for shape in shapes:
+        plan = router.plan(shape)
+        assert not plan.handoff and not plan.any_role
+        picks.append(router.pick(Role.DECODE, shape, prefill_tokens=plan.uncached_tokens))
+    assert [p.url for p in picks] == ["http://d0", "http://p1"] * 8
+
+
+#: Output lengths of a burst as decode_heavy draws them (48 to 256).
+LENGTHS = [256, 48, 200, 64, 180, 90, 250, 50, 120, 130, 60, 240, 70, 210, 100, 150]
+
+
+def test_a_burst_splits_the_output_tokens_owed_evenly_between_the_cores() -> None:
+    """Each long request goes to the core owing fewer tokens, so both cores finish together:
+    alternating by count would leave decode-0's core owing 1,236 tokens and prefill-1's 982."""
+    router = router_2p1d()
+    owed = {"http://d0": 0, "http://p1": 0}
+    for i, n in enumerate(LENGTHS):
+        shape = RequestShape(GENERATE, f"{i} " + "words of a prompt " * 50, MIN - 6, False, n)
+        plan = router.plan(shape)
+        owed[router.pick(Role.DECODE, shape, prefill_tokens=plan.uncached_tokens).url] += n
+    assert sum(owed.values()) == sum(LENGTHS)
+    assert abs(owed["http://d0"] - owed["http://p1"]) <= 120  # 1,166 and 1,052
+
+
+def test_a_handoffs_serve_step_takes_a_spare_prefill_core() -> None:
+    router = router_2p1d()
+    document = RequestShape(GENERATE, "A new document. " * 400, 1600, False, 48)
+    assert router.plan(document).handoff
+    router.done(router.pick(Role.PREFILL, document), document)
     router.plan(chat(0, 0))
     serve(router, chat(1))  # decode-0 holds one, prefill-1's core none
-    shape = chat(2)
-    router.plan(shape)
-    assert router.pick(Role.DECODE, shape, handed_off=True).url == "http://d0"
-    assert router.pick(Role.DECODE, shape).url == "http://p1"  # the same, direct
+    assert router.pick(Role.DECODE, document).url == "http://p1"
+
+
+def test_a_handoffs_serve_step_never_takes_the_core_of_the_instance_that_prefilled_it() -> None:
+    """The handoff moves its decode off the instance that computed its prompt."""
+    router = router_2p1d()
+    document = RequestShape(GENERATE, "A new document. " * 400, 1600, False, 48)
+    router.plan(chat(0, 0))
+    serve(router, chat(1))  # decode-0 holds one, prefill-1's core none
+    pick = router.pick(Role.DECODE, document, prefilled_on="http://p1")
+    assert pick.url == "http://d0"
 
 
 def test_a_retry_does_not_go_back_to_the_prefill_instance_it_tried() -> None:

@@ -34,6 +34,12 @@ class GatewayCounters:
     follow_up_cached_tokens: int = 0
     started_at: float = field(default_factory=time.time)
 
+    def follow_up(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A conversation's next turn's reply reported its prompt and cached tokens."""
+        self.follow_up_reported += 1
+        self.follow_up_prompt_tokens += prompt_tokens
+        self.follow_up_cached_tokens += cached_tokens
+
 
 def multi_turn_state(counters: GatewayCounters) -> dict[str, Any]:
     """How much of a conversation's next turn the cluster found cached (``/cluster``)."""

@@ -197,7 +197,7 @@ class Gateway:
         if placement.handoff:
             done = self._prefilling.setdefault(shape.prompt, asyncio.Event())
             try:
-                refused = await self._prefill(admitted)
+                refused, on = await self._prefill(admitted)
             finally:
                 self.router.prefilled(shape)
                 done.set()
@@ -206,7 +206,7 @@ class Gateway:
             if refused is not None:
                 return refused
             self.counters.handoffs += 1
-            placement = Placement(handoff=True, uncached_tokens=0, any_role=False)
+            placement = Placement(handoff=True, uncached_tokens=0, any_role=False, prefilled_on=on)
         else:
             self.counters.direct += 1
             self.counters.spilled += placement.spilled
@@ -217,12 +217,13 @@ class Gateway:
                     await asyncio.wait_for(followed.wait(), FOLLOW_WAIT_S)
         return await self._decode(request, admitted, raw, placement)
 
-    async def _prefill(self, admitted: Admitted) -> web.Response | None:
+    async def _prefill(self, admitted: Admitted) -> tuple[web.Response | None, str | None]:
         """Run the prompt on a prefill instance. Returns the response to give the client when
         the instance refused the request (4xx) or it was quarantined, else None (also when
-        no prefill could be reached: the decode instance then computes the prompt itself)."""
+        no prefill could be reached: the decode instance then computes the prompt itself);
+        and the url of the instance that computed it (None if none did)."""
         if not self.router.can_prefill():
-            return None
+            return None, None
         shape = admitted.shape
         payload = prefill_body(shape.path, admitted.body)
         tried: set[str] = set()
@@ -231,7 +232,7 @@ class Gateway:
             try:
                 pick = self.router.pick(Role.PREFILL, shape, tried, only=only)
             except NoHealthyInstance:
-                return None
+                return None, None
             url = pick.url
             tried.add(url)
             only = None
@@ -244,18 +245,18 @@ class Gateway:
             except (aiohttp.ClientError, OSError, InstanceGone, InstanceDied) as exc:
                 refused, only = await self.failover.next_try(url, pid, exc, admitted, "prefill")
                 if refused is not None:
-                    return refused
+                    return refused, None
                 continue
             finally:
                 self.router.done(pick, shape)
             if 400 <= status < 500:
-                return web.Response(status=status, body=data, content_type=JSON)
+                return web.Response(status=status, body=data, content_type=JSON), None
             if status != 200:
                 logger.warning("prefill on %s answered %d: %s", url, status, data[:300])
                 self.counters.retries += 1
                 continue
             self._count_prompt(url, shape, whole_reply_prompt_tokens(shape.path, data), True)
-            return None
+            return None, url
 
     def _count_prompt(self, url: str, shape: RequestShape, counts: tuple[int, int],
                       computes_prompt: bool) -> None:  # fmt: skip
@@ -267,9 +268,7 @@ class Gateway:
             return
         self.board.count_prompt(url, prompt, cached)
         if computes_prompt and shape.prior_turns:
-            self.counters.follow_up_reported += 1
-            self.counters.follow_up_prompt_tokens += prompt
-            self.counters.follow_up_cached_tokens += cached
+            self.counters.follow_up(prompt, cached)
 
     async def _post_json(self, url: str, payload: dict[str, Any]) -> tuple[int, bytes]:
         assert self.session is not None
@@ -291,7 +290,7 @@ class Gateway:
                 pick = self.router.pick(Role.DECODE, shape, tried, only=only,
                                         any_role=placement.any_role,
                                         prefill_tokens=placement.uncached_tokens,
-                                        handed_off=placement.handoff)  # fmt: skip
+                                        prefilled_on=placement.prefilled_on)  # fmt: skip
             except NoHealthyInstance:
                 self.counters.errors += 1
                 return unavailable(f"No instance could serve the request: {last_error}.")
@@ -362,7 +361,7 @@ class Gateway:
                 return out  # the client left before its first byte: its failure, not the instance's
             failure: BaseException | None = None
             pending: Callable[[], None] | None = first_token
-            tail = StreamTail()
+            tail, booked = StreamTail(), False
             while True:
                 try:
                     chunk = await self.board.race(upstream.content.readany(), url)
@@ -375,6 +374,9 @@ class Gateway:
                     pending()
                     pending = None
                 tail.add(chunk)
+                if not booked and tail.ended:  # before the client can read the end
+                    booked = True
+                    self._count_prompt(url, shape, tail.prompt_tokens(shape.path), computes_prompt)
                 try:
                     await out.write(chunk)
                 except (ConnectionError, aiohttp.ClientError):
@@ -387,7 +389,7 @@ class Gateway:
                 error = {"error": {"message": message, "code": 503}}
                 with contextlib.suppress(ConnectionError, aiohttp.ClientError):
                     await out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
-            else:
+            elif not booked:
                 self._count_prompt(url, shape, tail.prompt_tokens(shape.path), computes_prompt)
             with contextlib.suppress(ConnectionError, aiohttp.ClientError):
                 await out.write_eof()

@@ -71,6 +71,10 @@ def whole_reply_prompt_tokens(path: str, data: bytes) -> tuple[int, int]:
 STREAM_TAIL_BYTES = 64 * 1024
 
 
+#: The event that ends an SGLang (and OpenAI) server-sent-event stream.
+STREAM_END = b"data: [DONE]"
+
+
 class StreamTail:
     """The last ``limit`` bytes (about) of a server-sent-event stream, as chunks; one relay's,
     on the gateway's event loop."""
@@ -79,8 +83,15 @@ class StreamTail:
         self.limit = limit
         self._chunks: deque[bytes] = deque()
         self._size = 0
+        self._end = b""  # the stream's last bytes, across chunk boundaries
+
+    @property
+    def ended(self) -> bool:
+        """Whether the stream's last event so far is its end (``data: [DONE]``)."""
+        return self._end.rstrip().endswith(STREAM_END)
 
     def add(self, chunk: bytes) -> None:
+        self._end = (self._end + chunk)[-len(STREAM_END) - 8 :]
         self._chunks.append(chunk)
         self._size += len(chunk)
         while len(self._chunks) > 1 and self._size - len(self._chunks[0]) >= self.limit:
@@ -97,7 +108,7 @@ class StreamTail:
         events = b"".join(self._chunks).split(b"\n")
         for line in reversed(events):
             line = line.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
+            if not line.startswith(b"data:") or line == STREAM_END:
                 continue
             try:
                 counts = computed_prompt_tokens(path, json.loads(line[5:]))

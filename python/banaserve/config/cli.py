@@ -282,7 +282,8 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         choices=("on", "off"),
         default="on" if SERVE_ON_SPARE_PREFILL else "off",
         help="'on': a request that generates more than --in-place-max-new-tokens tokens runs "
-        "on a prefill instance when no prompt waits there and its cores hold fewer requests "
+        "(or a handoff's decode) on a prefill instance when no handoff's prompt waits there "
+        "and its cores owe fewer output tokens "
         "than the decode instance's; 'off' keeps every long request on decode instances "
         f"(default: {'on' if SERVE_ON_SPARE_PREFILL else 'off'}; always off with --migration "
         "layer, whose controller lends the prefill cores).",

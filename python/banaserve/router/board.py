@@ -63,6 +63,8 @@ class Member(Protocol):
 class _Inflight:
     requests: int = 0
     prefill_tokens: int = 0
+    handoff_tokens: int = 0  # of prefill_tokens, those of handoffs' prefill steps
+    decode_tokens: int = 0  # the most output tokens its requests may still generate
 
 
 @dataclass
@@ -132,16 +134,23 @@ class Board:
         return previous
 
     def candidates(self, role: str) -> list[InstanceLoad]:
-        """Every instance of ``role``, healthy or not, with the router's in-flight work and
-        the requests of the healthy instances that share its cores (``core_peer_reqs``)."""
+        """Every instance of ``role``, healthy or not, with the router's in-flight work: the
+        requests of the healthy instances that share its cores (``core_peer_reqs``), the
+        output tokens owed on those cores (``core_decode_tokens``) and its handoffs' prompts
+        waiting (``queued_handoff_tokens``)."""
         merged = {spec.url: self._with_inflight(spec.url) for spec in self.specs}
-        return [
-            replace(merged[spec.url], core_peer_reqs=sum(
-                merged[peer].batch_reqs for peer in self._peers[spec.url] if merged[peer].healthy
-            ))
-            for spec in self.specs
-            if self._roles[spec.url] == role
-        ]  # fmt: skip
+        out = []
+        for spec in self.specs:
+            if self._roles[spec.url] != role:
+                continue
+            peers = [peer for peer in self._peers[spec.url] if merged[peer].healthy]
+            out.append(replace(
+                merged[spec.url],
+                core_peer_reqs=sum(merged[peer].batch_reqs for peer in peers),
+                core_decode_tokens=sum(self._inflight[u].decode_tokens for u in [spec.url, *peers]),
+                queued_handoff_tokens=self._inflight[spec.url].handoff_tokens,
+            ))  # fmt: skip
+        return out
 
     def _with_inflight(self, url: str) -> InstanceLoad:
         inflight = self._inflight[url]
@@ -150,24 +159,35 @@ class Board:
     def healthy(self, role: str) -> list[InstanceLoad]:
         return [load for load in self.candidates(role) if load.healthy]
 
-    def begin(self, url: str, prefill_tokens: int) -> None:
+    def begin(self, url: str, prefill_tokens: int, handoff: bool = False,
+              decode_tokens: int = 0) -> None:  # fmt: skip
         """A request was sent to ``url``; ``prefill_tokens`` of its prompt count as queued
-        prefill work there until :meth:`end`."""
+        prefill work there until :meth:`end`, and with ``handoff`` (a handoff's prefill step)
+        as queued handoff work too; ``decode_tokens``, the most it may generate, count as owed
+        there until :meth:`end`."""
         inflight = self._inflight[url]
         inflight.requests += 1
         inflight.prefill_tokens += prefill_tokens
+        inflight.handoff_tokens += prefill_tokens if handoff else 0
+        inflight.decode_tokens += decode_tokens
         self.stats[url].routed += 1
 
-    def end(self, url: str, prefill_tokens: int) -> None:
-        """The request :meth:`begin` booked on ``url`` ended (answered, failed or abandoned)."""
+    def end(self, url: str, prefill_tokens: int, handoff: bool = False,
+            decode_tokens: int = 0) -> None:  # fmt: skip
+        """The request :meth:`begin` booked on ``url`` ended (answered, failed or abandoned);
+        the counts as booked."""
         inflight = self._inflight[url]
         inflight.requests -= 1
         inflight.prefill_tokens -= prefill_tokens
+        inflight.handoff_tokens -= prefill_tokens if handoff else 0
+        inflight.decode_tokens -= decode_tokens
 
-    def prefilled(self, url: str, prefill_tokens: int) -> None:
+    def prefilled(self, url: str, prefill_tokens: int, handoff: bool = False) -> None:
         """The prompt of a request :meth:`begin` booked on ``url`` was computed (its first
         token came back): its ``prefill_tokens`` stop counting as queued there."""
-        self._inflight[url].prefill_tokens -= prefill_tokens
+        inflight = self._inflight[url]
+        inflight.prefill_tokens -= prefill_tokens
+        inflight.handoff_tokens -= prefill_tokens if handoff else 0
 
     def inflight_requests(self, url: str) -> int:
         """Requests sent to ``url`` that have not ended."""

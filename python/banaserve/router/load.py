@@ -22,6 +22,8 @@ _COUNT_FIELDS = (
     "kv_used_tokens",
     "kv_capacity_tokens",
     "core_peer_reqs",
+    "queued_handoff_tokens",
+    "core_decode_tokens",
 )
 
 
@@ -44,6 +46,16 @@ class InstanceLoad:
       them in from the cluster's placement (0 where the instance has its cores to itself or
       nothing is pinned). On a CPU core two instances time-share, so a neighbour's batch slows
       this one's steps as much as its own does.
+    - ``queued_handoff_tokens`` are the prompt tokens of handoffs' prefill steps that the
+      router sent here and has not seen end: prompts waiting to be prefilled *for another
+      instance*, which a prefill instance owes before any decode work. The instance cannot
+      tell them from a direct request's prompt; the router's board fills them in (0 elsewhere).
+    - ``core_decode_tokens`` are the output tokens that the router's requests on this
+      instance's cores (its own and its core neighbours') may still generate, each booked at
+      its ``max_new_tokens`` until it ends (the router sees no progress of a request that does
+      not stream, so none is counted). The board fills it in (0 elsewhere). On a CPU core a
+      decode step's time grows with its batch, so a core's requests finish when its tokens
+      are done: of two cores with as many requests, the one owing fewer tokens frees first.
     - ``updated_at`` is the producer's ``time.monotonic()`` when the numbers were read: it is
       comparable only within the producing process.
     - ``published_at`` is when the instance's scheduler last published its numbers, on the
@@ -65,6 +77,8 @@ class InstanceLoad:
     updated_at: float = 0.0
     core_peer_reqs: int = 0
     published_at: float = 0.0
+    queued_handoff_tokens: int = 0
+    core_decode_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -56,6 +56,7 @@ class Placement:
     any_role: bool  # the (direct) request may run on a prefill instance as well as a decode
     follows: str | None = None  # a handoff's prompt, still in its prefill step, to wait for
     spilled: bool = False  # direct although it needed a handoff: the prefill side was backed up
+    prefilled_on: str | None = None  # a handoff's: the instance whose prefill step computed it
 
 
 class PromptIndex:

@@ -44,29 +44,34 @@ def load_aware_prefill(candidates: Sequence[InstanceLoad], role: str = "prefill"
     )
 
 
-def decode_sort_key(c: InstanceLoad) -> tuple[bool, int, int, str]:
-    """The decode ordering, smallest first: (KV saturated, requests on its cores, -free KV,
-    url).
+def decode_sort_key(c: InstanceLoad) -> tuple[bool, int, int, int, str]:
+    """The decode ordering, smallest first: (KV saturated, output tokens owed on its cores,
+    requests on its cores, -free KV, url).
 
     1. KV saturation (usage >= :data:`DECODE_KV_HIGH_WATERMARK`) first: SGLang's decode admits
        a request only when its KV fits and retracts running requests when the pool runs out,
        so a short batch on a nearly full pool is not spare capacity.
-    2. Then the requests on its cores (:attr:`InstanceLoad.core_reqs`: its batch, running +
-       queued, plus that of the instances pinned to the same cores): a decode step's time, and
-       so every request's time per output token, grows with the batch it shares, and queued
-       requests will join it. Instances that time-share a CPU core slow each other as much:
-       in the 2P+1D layout on two cores the decode instance shares core 0 with a prefill
-       instance, so a long request that may run anywhere goes to the other core's instance
-       when core 0 is the busier one.
-    3. Then the most free KV: with equal batches, the one with shorter contexts (cheaper steps)
+    2. Then the fewest output tokens owed on its cores (:attr:`InstanceLoad.core_decode_tokens`:
+       the ``max_new_tokens`` of the router's requests there, its own and those of instances
+       pinned to the same cores). A decode step's time grows with the batch it runs (on a CPU
+       core about in proportion), so a core's requests end when its tokens are done, and the
+       core owing fewer frees first. Instances that time-share a CPU core slow each other as
+       much: in the 2P+1D layout on two cores the decode instance shares core 0 with a
+       prefill instance. Tokens rather than requests: when 16 long requests arrive at once,
+       alternating by count leaves one core owing far more (by the luck of the draw, as
+       round robin does); each to the core owing less finishes both about together.
+    3. Then the requests on its cores (:attr:`InstanceLoad.core_reqs`: its batch, running +
+       queued, plus that of the instances pinned to the same cores): among them the router's
+       own and the instance's, which the router did not book (a prefill step owes no output).
+    4. Then the most free KV: with equal batches, the one with shorter contexts (cheaper steps)
        and more headroom for this request's growth.
-    4. Then the url, for determinism.
+    5. Then the url, for determinism.
 
     Lexicographic rather than a weighted sum: no weight converts requests into KV tokens that
     holds across models and pool sizes, and the simulator must reproduce choices exactly.
     """
     saturated = c.kv_capacity_tokens > 0 and c.kv_usage >= DECODE_KV_HIGH_WATERMARK
-    return (saturated, c.core_reqs, -c.kv_free_tokens, c.url)
+    return (saturated, c.core_decode_tokens, c.core_reqs, -c.kv_free_tokens, c.url)
 
 
 def load_aware_decode(candidates: Sequence[InstanceLoad], role: str = "decode") -> InstanceLoad:

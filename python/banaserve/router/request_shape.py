@@ -12,6 +12,9 @@ from banaserve.api.value_bounds import prompts_of
 
 #: Without a tokenizer: about four characters per token for English text.
 CHARS_PER_TOKEN = 4
+#: What a request that does not say how many tokens it generates is booked as: SGLang's own
+#: default ``max_new_tokens`` (``SamplingParams``, sglang 0.5.23).
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,11 @@ class RequestShape:
     max_new_tokens: int | None  # None: the server's default
     prior_turns: int = 0  # a chat's assistant messages: > 0 for a conversation's next turn
     longest_prompt_tokens: int = 0  # of a batch's prompts, each of which must fit the context
+
+    @property
+    def decode_tokens(self) -> int:
+        """The most tokens it may generate: what its serve step is booked as."""
+        return DEFAULT_MAX_NEW_TOKENS if self.max_new_tokens is None else self.max_new_tokens
 
 
 def _text_of(value: Any) -> str:

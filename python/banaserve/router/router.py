@@ -35,6 +35,8 @@ class Pick:
     prefill_tokens: int
     #: A serve step on a prefill instance because no decode instance is healthy.
     fallback: bool = False
+    #: Output tokens booked as owed there until ``done`` (a serve step's ``max_new_tokens``).
+    decode_tokens: int = 0
 
 
 class Router:
@@ -95,7 +97,7 @@ class Router:
         only: str | None = None,
         any_role: bool = False,
         prefill_tokens: int | None = None,
-        handed_off: bool = False,
+        prefilled_on: str | None = None,
     ) -> Pick:
         """The instance for ``shape``'s next ``role`` step, booked on the board.
 
@@ -105,13 +107,12 @@ class Router:
         decode instance is healthy, so the cluster keeps serving. ``Role.MIXED`` instances
         (moved there by the migration controller) take both steps. With
         ``serve_on_spare_prefill`` and the ``load_aware`` decode policy, the serve step of a
-        long direct request (not ``handed_off``: a handoff's prompt was prefilled to decode on
-        a decode instance) may go to a prefill instance whose cores are spare
-        (:mod:`banaserve.router.spare_prefill`).
-        Instances in ``tried`` are
-        skipped; ``only`` allows that one instance alone (a suspect request goes back to the
-        instance that restarted). ``prefill_tokens`` (default: the whole prompt) count as
-        the instance's queued prefill work until :meth:`done`.
+        long request may go to a prefill instance whose cores are spare
+        (:mod:`banaserve.router.spare_prefill`), other than the one ``prefilled_on`` (a handoff
+        exists to move the decode off the instance that computed the prompt). Instances in
+        ``tried`` are skipped; ``only`` allows that one instance alone (a suspect request goes
+        back to the instance that restarted). ``prefill_tokens`` (default: the whole prompt)
+        count as the instance's queued prefill work until :meth:`done`.
 
         Raises :class:`NoHealthyInstance` when no healthy candidate is left.
         """
@@ -126,28 +127,31 @@ class Router:
                 pool += self.board.healthy(Role.PREFILL)
             elif not pool:
                 pool, fallback = self.board.healthy(Role.PREFILL), True
-            elif self.serve_on_spare_prefill and not handed_off and policy.name == "load_aware":
-                spare = [c for c in self.board.healthy(Role.PREFILL) if allowed(c, tried, None)]
+            elif self.serve_on_spare_prefill and policy.name == "load_aware":
+                spare = [c for c in self.board.healthy(Role.PREFILL)
+                         if allowed(c, tried, None) and c.url != prefilled_on]  # fmt: skip
         candidates = [c for c in pool if allowed(c, tried, only)]
         if not candidates:
             raise NoHealthyInstance(str(role), len(pool))
         chosen = policy.choose(candidates, shape.prompt)
         if spare:
-            chosen = spare_prefill_or(chosen, spare, self.placer.handoff_min_tokens)
+            chosen = spare_prefill_or(chosen, spare)
         tokens = shape.prompt_tokens if prefill_tokens is None else prefill_tokens
-        self.board.begin(chosen.url, tokens)
-        return Pick(chosen.url, role, Role(chosen.role), tokens, fallback)
+        owed = shape.decode_tokens if role == Role.DECODE else 0
+        self.board.begin(chosen.url, tokens, handoff=role == Role.PREFILL, decode_tokens=owed)
+        return Pick(chosen.url, role, Role(chosen.role), tokens, fallback, owed)
 
     def first_token(self, pick: Pick) -> Pick:
         """``pick``'s instance answered its first token, so its prompt is computed: the pick
         with no prefill tokens booked any more (hand that one to :meth:`done`). Without it a
         long request's prompt would count as queued prefill work until its last token."""
-        self.board.prefilled(pick.url, pick.prefill_tokens)
+        self.board.prefilled(pick.url, pick.prefill_tokens, handoff=pick.step == Role.PREFILL)
         return dataclasses.replace(pick, prefill_tokens=0)
 
     def done(self, pick: Pick, shape: RequestShape) -> None:
         """The step :meth:`pick` placed has ended (answered, failed or abandoned)."""
-        self.board.end(pick.url, pick.prefill_tokens)
+        self.board.end(pick.url, pick.prefill_tokens, handoff=pick.step == Role.PREFILL,
+                       decode_tokens=pick.decode_tokens)  # fmt: skip
         policy = self.prefill_policy if pick.step == Role.PREFILL else self.decode_policy
         policy.on_done(pick.url, shape.prompt)
 
