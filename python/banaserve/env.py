@@ -34,3 +34,6 @@ ADMIN_TOKEN_ENV = "BANASERVE_ADMIN_TOKEN"
 #: SGLang's torch.distributed rendezvous, replacing its ``tcp://HOST:PORT`` one (BanaServe
 #: sets a private ``file://`` one; see :mod:`banaserve.server.rendezvous`).
 RENDEZVOUS_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
+#: Attention offload of one SGLang instance (JSON, :mod:`banaserve.platform.attention_offload_cpu`):
+#: unset, none; the instance's long sequences' decode attention runs on a worker when set.
+ATTENTION_OFFLOAD_ENV = "BANASERVE_ATTENTION_OFFLOAD"

@@ -36,7 +36,7 @@ from banaserve.config.pipeline_options import (
     pipeline_env,
 )
 from banaserve.config.store_options import KV_STORE_EMBEDDED, KvStoreOptions
-from banaserve.env import ADMIN_TOKEN_ENV, MOVABLE_ENV, REQUEST_WAIT_ENV
+from banaserve.env import ADMIN_TOKEN_ENV, ATTENTION_OFFLOAD_ENV, MOVABLE_ENV, REQUEST_WAIT_ENV
 from banaserve.migration.boundary_control import split_dir_for
 from banaserve.platform import cpu_platform_wanted, install
 from banaserve.router.loads_report import PUBLISH_EVERY_DECODE_STEPS
@@ -151,6 +151,11 @@ def plan_launch(argv: list[str]) -> LaunchConfig:
         parser.error(str(exc))
     if REQUEST_WAIT_ENV not in os.environ:
         env[REQUEST_WAIT_ENV] = str(CLIENT_GONE_CHECK_S)
+    if args.attention_offload is not None:
+        if cluster is not None:
+            parser.error("--attention-offload applies to one instance, not a cluster (yet)")
+        env[ATTENTION_OFFLOAD_ENV] = args.attention_offload.to_json()
+        notes.append(f"attention offload: {env[ATTENTION_OFFLOAD_ENV]}")
     return LaunchConfig(
         sglang_argv=sglang_argv,
         served_names=[served_name, model_path],

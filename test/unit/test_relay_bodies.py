@@ -14,7 +14,7 @@ from banaserve.cluster.load_board import LoadBoard
 from banaserve.cluster.relay_bodies import StreamTail, computed_prompt_tokens
 from banaserve.cluster.topology import DECODE, InstanceSpec
 from banaserve.router.request_shape import shape_request
-from support.gateway import ADMIN, gateway_for, post, upstream
+from support.gateway import ADMIN, Handler, gateway_for, post, upstream
 
 
 def events(*payloads: object) -> list[bytes]:
@@ -72,17 +72,26 @@ def test_a_chat_with_answers_in_its_history_is_a_next_turn() -> None:
     assert shape_request(GENERATE, {"text": "assistant"}).prior_turns == 0
 
 
-def test_the_gateway_books_a_streamed_answers_prompt_tokens() -> None:
+def streaming_instance(release: asyncio.Event | None = None) -> Handler:
+    """An instance that streams one event with its prompt counts (64, 48 cached), then
+    ``[DONE]``, and closes the stream once ``release`` is set (at once without one)."""
+
     async def streamed(request: web.Request) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         for chunk in events({"text": "a", "meta_info": {"prompt_tokens": 64,
                                                        "cached_tokens": 48}}):  # fmt: skip
             await out.write(chunk)
+        if release is not None:
+            await release.wait()
         return out
 
+    return streamed
+
+
+def test_the_gateway_books_a_streamed_answers_prompt_tokens() -> None:
     async def scenario() -> None:
-        async with upstream(streamed) as port:
+        async with upstream(streaming_instance()) as port:
             specs = [InstanceSpec("decode-0", DECODE, port)]
             board = LoadBoard(specs)
             async with gateway_for(specs, board) as url:
@@ -109,17 +118,8 @@ def test_the_counts_are_booked_before_the_client_reads_the_streams_end() -> None
     while the instance has not closed the stream yet."""
     release = asyncio.Event()
 
-    async def streamed(request: web.Request) -> web.StreamResponse:
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        for chunk in events({"text": "a", "meta_info": {"prompt_tokens": 64,
-                                                       "cached_tokens": 48}}):  # fmt: skip
-            await out.write(chunk)
-        await release.wait()  # the instance closes the stream later
-        return out
-
     async def scenario() -> None:
-        async with upstream(streamed) as port:
+        async with upstream(streaming_instance(release)) as port:
             specs = [InstanceSpec("decode-0", DECODE, port)]
             board = LoadBoard(specs)
             async with (

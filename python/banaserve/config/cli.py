@@ -26,6 +26,7 @@ from banaserve.config.pipeline_options import add_pipeline_args
 from banaserve.config.restart_policy import RestartPolicy
 from banaserve.config.store_options import KvStoreOptions
 from banaserve.migration import MIGRATION_MODES
+from banaserve.offload.settings import OffloadSettings
 from banaserve.router.board import STALL_AFTER_S
 from banaserve.router.placement import HANDOFF_MIN_TOKENS, IN_PLACE_MAX_NEW_TOKENS
 from banaserve.router.policies import POLICY_NAMES
@@ -177,6 +178,14 @@ def cpu_dtype(dtype: str) -> str:
     return CPU_DEFAULT_DTYPE if dtype == "auto" else dtype
 
 
+def offload_settings(raw: str) -> OffloadSettings:
+    """``--attention-offload``'s value; argparse reports what is wrong with it."""
+    try:
+        return OffloadSettings.from_json(raw)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("BanaServe")
     group.add_argument(
@@ -192,6 +201,16 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="On the CPU, do not add BanaServe's defaults (--device cpu, --sleep-on-idle, "
         f"--dtype {CPU_DEFAULT_DTYPE} in place of 'auto', a KV pool sized from free memory).",
+    )
+    group.add_argument(
+        "--attention-offload",
+        type=offload_settings,
+        default=None,
+        metavar="JSON",
+        help="One instance on the CPU engine: the decode attention of its long sequences runs "
+        'on an attention worker process, e.g. \'{"cores": [1], "min_tokens": 256}\' '
+        "(fields: cores, pool_mib, min_tokens, headroom_tokens, transport, timeout_s; "
+        "docs/attention_offload.md). Default: off.",
     )
     group.add_argument(
         "--max-request-bytes",

@@ -22,12 +22,10 @@ import torch
 
 from banaserve.offload.channel import SPIN_S, Channel, ShmChannel, SocketChannel
 from banaserve.offload.pool import PartSpec
+from banaserve.offload.settings import TIMEOUT_S
 from banaserve.offload.wire import encoded_size
 from banaserve.utils.processes import parent_death_signal
 
-#: Seconds an offload call waits for its answer before the caller falls back (a flag of the
-#: callers; a layer's attention takes milliseconds, so this only catches a stuck worker).
-TIMEOUT_S = 0.5
 #: Seconds a worker may take to start (it imports torch).
 START_TIMEOUT_S = 60.0
 
@@ -71,18 +69,28 @@ class OffloadClient:
 
     def _call(self, header: dict[str, Any], tensors: Sequence[torch.Tensor] = (),
               timeout_s: float | None = None) -> Message:  # fmt: skip
+        return self._receive(self._send(header, tensors), header["op"], timeout_s)
+
+    def _send(self, header: dict[str, Any], tensors: Sequence[torch.Tensor]) -> int:
+        """Send a request; its id, for :meth:`_receive`."""
         self._catch_up()
         self._next_id += 1
-        rid = self._next_id
+        try:
+            self.channel.send({**header, "id": self._next_id}, tensors)
+        except OSError as exc:  # the socket's other end is gone
+            raise WorkerGone(f"the attention worker's channel failed: {exc}") from exc
+        return self._next_id
+
+    def _receive(self, rid: int, op: str, timeout_s: float | None = None) -> Message:
+        """The answer to request ``rid`` (an ``op``), within ``timeout_s``."""
         bound = self.timeout_s if timeout_s is None else timeout_s
         try:
-            self.channel.send({**header, "id": rid}, tensors)
             answer, out = self._answer_to(rid, bound)
         except TimeoutError:
             self._behind = rid
             self._check_alive()
-            raise LateAnswer(f"no answer to {header['op']} within {bound} s") from None
-        except OSError as exc:  # the socket's other end is gone
+            raise LateAnswer(f"no answer to {op} within {bound} s") from None
+        except OSError as exc:
             raise WorkerGone(f"the attention worker's channel failed: {exc}") from exc
         if not answer.get("ok"):
             raise OffloadError(answer.get("kind", "bad"), answer.get("error", "refused"))
@@ -130,11 +138,25 @@ class OffloadClient:
         """Attention of ``q`` (``[n, heads, dim]``, one token per sequence) over each
         sequence's part at ``layer``, the new token's ``new_k``/``new_v`` appended first:
         ``(out [n, heads, dim], lse [n, heads])``."""
-        header: dict[str, Any] = {"op": "attend", "layer": layer, "seqs": list(seqs),
+        out, lse = self.attend_end(self.attend_begin(layer, seqs, q, new_k, new_v, scale))
+        assert lse is not None
+        return out, lse
+
+    def attend_begin(self, layer: int, seqs: Sequence[str], q: torch.Tensor,
+                     new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None,
+                     scale: float | None = None, lse: bool = True) -> int:  # fmt: skip
+        """Send :meth:`attend`'s request and return at once (the worker computes while the
+        caller does): its id, for :meth:`attend_end`, which must be the next call. Without
+        ``lse``, whole sequences' attention computed as SGLang does (a sequence split)."""
+        header: dict[str, Any] = {"op": "attend", "layer": layer, "seqs": list(seqs), "lse": lse,
                                   "scale": scale, "append": new_k is not None}  # fmt: skip
-        tensors = (q, new_k, new_v) if new_k is not None else (q,)
-        _, (out, lse) = self._call(header, tensors)
-        return out.clone(), lse.clone()
+        return self._send(header, (q, new_k, new_v) if new_k is not None else (q,))
+
+    def attend_end(self, rid: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The answer to :meth:`attend_begin`'s request ``rid``: ``(out, lse)``, ``lse`` None
+        when it was not asked for; the caller's own tensors."""
+        _, tensors = self._receive(rid, "attend")
+        return tensors[0].clone(), tensors[1].clone() if len(tensors) > 1 else None
 
     def echo(self, tensors: Sequence[torch.Tensor]) -> None:
         """A round trip that computes nothing: ``tensors`` there and back."""

@@ -8,7 +8,8 @@ gives an ``error`` and its ``kind``: ``full`` for a part that does not fit, ``ba
 - ``write``: tokens ``[start, start + n)`` of one layer of one part (tensors: K, V);
 - ``attend``: one layer's decode attention for ``seqs`` (tensors: queries ``[n, heads, dim]``,
   and with ``append`` the new token's K and V ``[n, kv_heads, dim]``, written first):
-  answers output ``[n, heads, dim]`` and LSE ``[n, heads]``;
+  answers output ``[n, heads, dim]`` and LSE ``[n, heads]``; with ``lse`` false (a sequence
+  split: whole sequences, nothing to merge) the output alone, computed as SGLang does;
 - ``release``, ``stats``, ``stop``; ``echo`` answers its tensors (a transport's own round
   trip, for ``benchmark/offload_roundtrip.py``).
 
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from banaserve.offload.channel import Channel, ShmChannel, SocketChannel
-from banaserve.offload.compute import decode_attention
+from banaserve.offload.compute import decode_attention, whole_decode_attention
 from banaserve.offload.pool import KvPool, PartError, PartSpec, PoolFull
 from banaserve.offload.wire import DTYPES, WireError
 
@@ -90,13 +91,17 @@ class AttentionWorker:
             for i, (seq, part) in enumerate(zip(seqs, parts, strict=True)):
                 at = part.lengths[layer]
                 self.pool.write(seq, layer, at, k_new[i].unsqueeze(1), v_new[i].unsqueeze(1))
+        scale, whole = h.get("scale"), not h.get("lse", True)
         outs, lses = [], []
         for i, seq in enumerate(seqs):
             k, v = self.pool.kv(seq, layer)
-            out, lse = decode_attention(q[i], k, v, h.get("scale"))
+            if whole:
+                outs.append(whole_decode_attention(q[i], k, v, scale))
+                continue
+            out, lse = decode_attention(q[i], k, v, scale)
             outs.append(out)
             lses.append(lse)
-        return {}, [torch.stack(outs), torch.stack(lses)]
+        return {}, [torch.stack(outs)] + ([torch.stack(lses)] if lses else [])
 
     def _op_echo(self, _: dict[str, Any], t: list[torch.Tensor]) -> Reply:
         return {}, t

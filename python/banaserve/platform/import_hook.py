@@ -19,6 +19,7 @@ import sys
 import types
 from collections.abc import Callable, Sequence
 
+from banaserve.platform.attention_offload_cpu import POST_IMPORT_PATCHES as _OFFLOAD_PATCHES
 from banaserve.platform.detect import cpu_platform_wanted
 from banaserve.platform.environment import apply_cpu_environment
 from banaserve.platform.fault_injection import POST_IMPORT_PATCHES as _FAULT_PATCHES
@@ -32,7 +33,7 @@ from banaserve.platform.stage_pinning import POST_IMPORT_PATCHES as _PINNING_PAT
 
 _ALL_PATCHES = (
     _HICACHE_PATCHES, _PD_PATCHES, _PP_PATCHES, _TIED_HEAD_PATCHES, _MOVABLE_PATCHES,
-    _SDPA_PATCHES, _PINNING_PATCHES, _FAULT_PATCHES,
+    _SDPA_PATCHES, _PINNING_PATCHES, _FAULT_PATCHES, _OFFLOAD_PATCHES,
 )  # fmt: skip
 
 
