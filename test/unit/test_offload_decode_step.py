@@ -13,8 +13,9 @@ import torch
 
 from banaserve.offload.channel import ShmChannel
 from banaserve.offload.client import OffloadClient, area_bytes_for
-from banaserve.offload.decode_step import DecodeOffload, KvLayout, OffloadConfig
+from banaserve.offload.decode_step import DecodeOffload, KvLayout
 from banaserve.offload.pool import KvPool
+from banaserve.offload.settings import OffloadSettings
 from banaserve.offload.worker import AttentionWorker, serve
 from support.platform_marks import needs_no_driver
 
@@ -113,6 +114,10 @@ class Engine:
         return torch.stack(outs)
 
 
+def moving_at_min(headroom: int) -> OffloadSettings:
+    return OffloadSettings(min_tokens=MIN, headroom_tokens=headroom)
+
+
 def layout() -> KvLayout:
     return KvLayout(0, LAYERS, KV_HEADS, HEADS // KV_HEADS, DIM, torch.float32)
 
@@ -135,7 +140,7 @@ def run_both(steps: list[list[str]], offload: DecodeOffload, starts: dict[str, i
 
 @needs_no_driver
 def test_long_sequences_move_and_every_step_is_the_engines_own(worker: Worker) -> None:
-    offload = DecodeOffload(worker.client, layout(), OffloadConfig(MIN, 64))
+    offload = DecodeOffload(worker.client, layout(), moving_at_min(64))
     starts = {"short": 10, "long": 300, "growing": MIN - 2}
     steps = [["short", "long", "growing"]] * 6 + [["short", "growing"]] * 2
     run_both(steps, offload, starts)
@@ -147,7 +152,7 @@ def test_long_sequences_move_and_every_step_is_the_engines_own(worker: Worker) -
 
 @needs_no_driver
 def test_a_full_part_and_a_rerun_sequence_come_back_and_move_again(worker: Worker) -> None:
-    offload = DecodeOffload(worker.client, layout(), OffloadConfig(MIN, 2))
+    offload = DecodeOffload(worker.client, layout(), moving_at_min(2))
     starts = {"a": 100, "b": 200}
     # Room for 2 tokens past the move: "a" fills its part and moves again; "b" is retracted
     # at step 3 and runs again from 150 tokens.
@@ -160,7 +165,7 @@ def test_a_sequence_the_worker_has_no_room_for_stays_here() -> None:
     one = 2 * LAYERS * KV_HEADS * (300 + 64) * DIM * 4  # room for one long sequence
     small = Worker(one + 1)
     try:
-        offload = DecodeOffload(small.client, layout(), OffloadConfig(MIN, 64))
+        offload = DecodeOffload(small.client, layout(), moving_at_min(64))
         run_both([["x", "y"]] * 3, offload, {"x": 300, "y": 300})
         assert offload.moves == 1 and offload.refused == {"y"} and offload.broken is None
     finally:
@@ -169,7 +174,7 @@ def test_a_sequence_the_worker_has_no_room_for_stays_here() -> None:
 
 @needs_no_driver
 def test_a_worker_that_stops_answering_leaves_every_sequence_served_here(worker: Worker) -> None:
-    offload = DecodeOffload(worker.client, layout(), OffloadConfig(MIN, 64))
+    offload = DecodeOffload(worker.client, layout(), moving_at_min(64))
     plain, offloaded = Engine(), Engine()
     for engine in (plain, offloaded):
         engine.start("long", 300)

@@ -35,7 +35,7 @@ import torch
 
 from banaserve.offload.client import LateAnswer, OffloadClient, OffloadError, WorkerGone
 from banaserve.offload.pool import PartSpec
-from banaserve.offload.settings import HEADROOM_TOKENS, MIN_TOKENS
+from banaserve.offload.settings import OffloadSettings
 from banaserve.offload.wire import WireError
 
 logger = logging.getLogger("banaserve.offload")
@@ -47,18 +47,6 @@ FAILURES = (LateAnswer, WorkerGone, OffloadError, WireError, OSError)
 LocalAttention = Callable[[list[int]], None]
 #: The pool slots of batch row ``i``'s tokens, in order (``seq_lens[i]`` of them).
 Slots = Callable[[int], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    """What moves and how much room a move takes."""
-
-    min_tokens: int = MIN_TOKENS
-    headroom_tokens: int = HEADROOM_TOKENS
-
-    def __post_init__(self) -> None:
-        if self.min_tokens < 1 or self.headroom_tokens < 1:
-            raise ValueError(f"min_tokens and headroom_tokens must be >= 1: {self}")
 
 
 @dataclass(frozen=True)
@@ -84,10 +72,10 @@ class DecodeOffload:
     """
 
     def __init__(self, client: OffloadClient, layout: KvLayout,
-                 config: OffloadConfig | None = None) -> None:  # fmt: skip
+                 settings: OffloadSettings | None = None) -> None:  # fmt: skip
         self.client = client
         self.layout = layout
-        self.config = config if config is not None else OffloadConfig()
+        self.settings = settings if settings is not None else OffloadSettings()
         self.held: dict[str, int] = {}  # moved: tokens its part holds after the last step
         self.room: dict[str, int] = {}  # moved: tokens its part has room for
         self.moving: set[str] = set()  # reserved at this step's first layer, copied per layer
@@ -157,13 +145,13 @@ class DecodeOffload:
                     self.remote.append(i)
                     continue
                 self._release(rid)  # run again after a retraction, or its part is full
-            if rid in self.refused or length - 1 < self.config.min_tokens:
+            if rid in self.refused or length - 1 < self.settings.min_tokens:
                 continue
             if self._reserve(rid, length):
                 self.remote.append(i)
 
     def _reserve(self, rid: str, length: int) -> bool:
-        room = length + self.config.headroom_tokens
+        room = length + self.settings.headroom_tokens
         layout = self.layout
         spec = PartSpec(rid, layout.layers, (0, layout.kv_heads), layout.head_dim, room,
                         layout.q_per_kv, layout.dtype)  # fmt: skip

@@ -50,7 +50,7 @@ def _starting_worker(original: Any, settings: OffloadSettings) -> Any:
 
 def _start(backend: Any, model_runner: Any, settings: OffloadSettings) -> Any:
     from banaserve.offload.client import WorkerProcess, area_bytes_for
-    from banaserve.offload.decode_step import DecodeOffload, KvLayout, OffloadConfig
+    from banaserve.offload.decode_step import DecodeOffload, KvLayout
 
     pool = backend.token_to_kv_pool
     req_to_token = backend.req_to_token_pool.req_to_token
@@ -69,8 +69,7 @@ def _start(backend: Any, model_runner: Any, settings: OffloadSettings) -> Any:
                 settings.min_tokens)  # fmt: skip
     layout = KvLayout(pool.start_layer, pool.layer_num, kv_heads, heads // kv_heads, head_dim,
                       dtype)  # fmt: skip
-    moves = OffloadConfig(settings.min_tokens, settings.headroom_tokens)
-    return DecodeOffload(worker.client, layout, moves)
+    return DecodeOffload(worker.client, layout, settings)
 
 
 def _noting_layer(original: Any) -> Any:
