@@ -105,9 +105,9 @@ def test_a_prompt_takes_the_prefill_instance_back() -> None:
     router = router_2p1d()
     router.plan(chat(0, 0))
     first = serve(router, chat(1))  # decode-0
-    # A new document arrives: its handoff's prefill step goes to prefill-1 (core 1 is free
-    # of prefill work and holds fewer requests than core 0).
-    document = RequestShape(GENERATE, "A new document. " * 400, 1600, False, 48)
+    # A new document to summarise in a few tokens arrives: its handoff's prefill step goes to
+    # prefill-1 (core 1 is free of prefill work and holds fewer requests than core 0).
+    document = RequestShape(GENERATE, "A new document. " * 400, 1600, False, 8)
     assert router.plan(document).handoff
     prefill = router.pick(Role.PREFILL, document)
     assert prefill.url == "http://p1"
@@ -169,6 +169,71 @@ def test_a_handoffs_serve_step_takes_a_spare_prefill_core() -> None:
     router.plan(chat(0, 0))
     serve(router, chat(1))  # decode-0 holds one, prefill-1's core none
     assert router.pick(Role.DECODE, document).url == "http://p1"
+
+
+def document(i: int, max_new_tokens: int = 128) -> RequestShape:
+    """A prompt of its own, long enough for a handoff, with a long output."""
+    text = f"Document {i}. " + "A sentence of a new document. " * 60
+    return RequestShape(GENERATE, text, 2 * MIN, False, max_new_tokens)
+
+
+def test_a_long_request_that_would_decode_on_a_spare_prefill_core_runs_there_whole() -> None:
+    """Handed off, its prompt would go to prefill-1 (the freer core) and its decode to
+    decode-0 (never where it was prefilled), leaving prefill-1's core idle once prompts end."""
+    router = router_2p1d()
+    router.plan(chat(0, 0))
+    first = serve(router, chat(1))  # decode-0's core owes 48 tokens, prefill-1's none
+    plan = router.plan(document(0))
+    assert not plan.handoff and plan.spilled and not plan.any_role
+    assert plan.uncached_tokens == 2 * MIN  # its prompt is computed where it runs
+    pick = router.pick(Role.DECODE, document(0), prefill_tokens=plan.uncached_tokens)
+    assert (pick.url, pick.role) == ("http://p1", Role.PREFILL)
+    for done, shape in ((first, chat(1)), (pick, document(0))):
+        router.done(done, shape)
+
+
+@pytest.mark.parametrize(("on", "policy"), [(False, "load_aware"), (True, "round_robin")])
+def test_off_or_under_a_baseline_policy_a_long_uncached_request_is_handed_off(
+    on: bool, policy: str
+) -> None:
+    router = router_2p1d(on, policy)
+    router.plan(chat(0, 0))
+    serve(router, chat(1))
+    assert router.plan(document(0)).handoff
+
+
+def test_a_long_request_is_handed_off_while_no_prefill_core_is_spare() -> None:
+    router = router_2p1d()
+    # An idle cluster: decode-0 is the first choice of a long request, so its prompt is
+    # handed off.
+    assert router.plan(document(0)).handoff
+    router.plan(chat(0, 0))
+    serve(router, chat(1))
+    # A handoff's prompt waits at prefill-1: the prompt comes first, the next one is handed off.
+    short = RequestShape(GENERATE, "Another document. " * 100, 2 * MIN, False, 8)
+    assert router.plan(short).handoff
+    assert router.pick(Role.PREFILL, short).url == "http://p1"
+    assert router.plan(document(1)).handoff
+
+
+def test_uncached_long_requests_decode_on_both_cores() -> None:
+    """compare.py's uniform_long, every prompt a handoff's size: before, 10 of 11 decoded on
+    decode-0. Now a request runs whole on prefill-1 whenever its core owes less, and is
+    handed off to decode-0 otherwise, so the two cores owe the same."""
+    router = router_2p1d()
+    owed = {"http://d0": 0, "http://p1": 0}
+    for i in range(8):
+        shape = document(i)
+        plan = router.plan(shape)
+        if plan.handoff:
+            prefill = router.pick(Role.PREFILL, shape)
+            router.done(router.first_token(prefill), shape)
+            router.prefilled(shape)
+            pick = router.pick(Role.DECODE, shape, prefilled_on=prefill.url)
+        else:
+            pick = router.pick(Role.DECODE, shape, prefill_tokens=plan.uncached_tokens)
+        owed[pick.url] += shape.max_new_tokens
+    assert owed == {"http://d0": 4 * 128, "http://p1": 4 * 128}
 
 
 def test_a_handoffs_serve_step_never_takes_the_core_of_the_instance_that_prefilled_it() -> None:

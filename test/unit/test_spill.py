@@ -88,15 +88,15 @@ def shape(text: str = LONG, max_new_tokens: int | None = 4) -> RequestShape:
 
 def test_a_spilled_prompt_runs_direct_and_no_request_waits_for_it() -> None:
     placer = Placer(handoff_min_tokens=MIN)
-    spilled = placer.place(shape(), prefill_backlogged=True)
+    spilled = placer.place(shape(), spill=True)
     assert spilled.spilled and not spilled.handoff
     assert spilled.uncached_tokens == len(LONG) // 4  # booked as the instance's prefill work
     assert spilled.any_role  # 4 output tokens: short, as for a handoff
     # It is indexed as computed, but no handoff is pending: a twin neither waits nor spills.
-    twin = placer.place(shape(LONG + "?"), prefill_backlogged=True)
+    twin = placer.place(shape(LONG + "?"), spill=True)
     assert not twin.handoff and not twin.spilled and twin.follows is None
     # A request that needs no handoff is never marked spilled.
-    assert not placer.place(shape("short"), prefill_backlogged=True).spilled
+    assert not placer.place(shape("short"), spill=True).spilled
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ class GatewayCounters:
     direct_on_prefill: int = 0
     long_on_prefill: int = 0  # of those, longer than in-place: the prefill cores were spare
     followed: int = 0
-    spilled: int = 0  # needed a handoff, ran whole: the prefill instances were backed up
+    spilled: int = 0  # needed a handoff, ran whole: prefill backed up, or a spare one
     retries: int = 0
     errors: int = 0
     fallbacks_to_prefill: int = 0

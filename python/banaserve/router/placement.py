@@ -8,8 +8,9 @@ popular system prompt with a short question. The store makes a prefix computed a
 available everywhere, so what decides is the prompt's *uncached* part, not its length:
 
 - uncached part of at least ``handoff_min_tokens``: handoff;
-- and, when the prefill instances are backed up, the request *spills* (:mod:`.spill`): it
-  runs whole on a serving instance whose cores are freer, as a direct request;
+- but it *spills*, running whole as a direct request, when the prefill instances are backed
+  up (:mod:`.spill`: on a serving instance whose cores are freer), or when its decode would
+  run on a spare prefill instance (:mod:`.spare_prefill`: there);
 - otherwise the request goes straight to one instance. Any instance can serve it, because the
   store gives each one the cached prefix. A decode instance takes it; a prefill instance may
   too when the request generates at most ``in_place_max_new_tokens`` tokens, a decode phase too
@@ -55,7 +56,7 @@ class Placement:
     uncached_tokens: int  # estimated prompt tokens no cache in the cluster holds
     any_role: bool  # the (direct) request may run on a prefill instance as well as a decode
     follows: str | None = None  # a handoff's prompt, still in its prefill step, to wait for
-    spilled: bool = False  # direct although it needed a handoff: the prefill side was backed up
+    spilled: bool = False  # direct although it needed a handoff (see Placer.place)
     prefilled_on: str | None = None  # a handoff's: the instance whose prefill step computed it
 
 
@@ -122,16 +123,17 @@ class Placer:
         self.index = index if index is not None else PromptIndex()
         self._pending: Counter[str] = Counter()
 
-    def place(self, shape: RequestShape, prefill_backlogged: bool = False) -> Placement:
-        """The plan for ``shape``; ``prefill_backlogged`` (see :mod:`.spill`): a prompt that
-        needs a handoff runs whole on one serving instance instead."""
+    def place(self, shape: RequestShape, spill: bool = False) -> Placement:
+        """The plan for ``shape``; ``spill``: a prompt that needs a handoff runs whole on one
+        serving instance instead (the prefill instances are backed up, :mod:`.spill`, or a
+        spare one takes it, :mod:`.spare_prefill`)."""
         cached = self.index.cached_fraction(shape.prompt)
         uncached = round(shape.prompt_tokens * (1.0 - cached))
         self.index.add(shape.prompt)
         # max_new_tokens 0 only fills a cache (SGLang's frontend does it): nothing to hand off.
         handoff = uncached >= self.handoff_min_tokens and shape.max_new_tokens != 0
         short = self.runs_anywhere(shape)
-        if handoff and prefill_backlogged:
+        if handoff and spill:
             return Placement(False, uncached, short, self._followed(shape), spilled=True)
         if handoff:
             self._pending[shape.prompt] += 1
@@ -181,5 +183,5 @@ class NoStorePlacer(Placer):
 
     hands_off = False
 
-    def place(self, shape: RequestShape, prefill_backlogged: bool = False) -> Placement:
+    def place(self, shape: RequestShape, spill: bool = False) -> Placement:
         return Placement(handoff=False, uncached_tokens=shape.prompt_tokens, any_role=True)

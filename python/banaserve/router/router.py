@@ -18,7 +18,11 @@ from banaserve.router.board import Board
 from banaserve.router.load import InstanceLoad
 from banaserve.router.placement import Placement, Placer
 from banaserve.router.request_shape import RequestShape
-from banaserve.router.spare_prefill import SERVE_ON_SPARE_PREFILL, spare_prefill_or
+from banaserve.router.spare_prefill import (
+    SERVE_ON_SPARE_PREFILL,
+    spare_prefill_or,
+    spare_prefill_serves,
+)
 from banaserve.router.spill import SPILL_PREFILL, prefill_backlogged
 
 
@@ -64,16 +68,26 @@ class Router:
         self.serve_on_spare_prefill = serve_on_spare_prefill
 
     def plan(self, shape: RequestShape) -> Placement:
-        """Handoff or direct, and the prompt recorded as computed (see :class:`Placer`);
-        with ``spill_prefill``, a prompt that needs a handoff while the prefill instances are
-        backed up runs whole on a freer serving instance (:mod:`banaserve.router.spill`)."""
-        backlogged = self.spill_prefill and self.placer.hands_off and prefill_backlogged(
-            self.board.healthy(Role.PREFILL) + self.board.healthy(Role.MIXED),
-            self.board.healthy(Role.DECODE) + self.board.healthy(Role.MIXED),
-            self.placer.handoff_min_tokens,
-            self.placer.runs_anywhere(shape),
-        )  # fmt: skip
-        return self.placer.place(shape, backlogged)
+        """Handoff or direct, and the prompt recorded as computed (see :class:`Placer`).
+        A prompt that needs a handoff runs whole instead (a spill) with ``spill_prefill``
+        while the prefill instances are backed up (:mod:`banaserve.router.spill`), and with
+        ``serve_on_spare_prefill`` when its serve step would take a spare prefill instance
+        (:func:`~banaserve.router.spare_prefill.spare_prefill_serves`)."""
+        if not self.placer.hands_off:
+            return self.placer.place(shape)
+        mixed = self.board.healthy(Role.MIXED)
+        prefill = self.board.healthy(Role.PREFILL)
+        serving = self.board.healthy(Role.DECODE) + mixed
+        short = self.placer.runs_anywhere(shape)
+        whole = self.spill_prefill and prefill_backlogged(
+            prefill + mixed, serving, self.placer.handoff_min_tokens, short
+        )
+        if not (whole or short) and self._serves_on_spare_prefill():
+            whole = spare_prefill_serves(serving, prefill)
+        return self.placer.place(shape, whole)
+
+    def _serves_on_spare_prefill(self) -> bool:
+        return self.serve_on_spare_prefill and self.decode_policy.name == "load_aware"
 
     def prefilled(self, shape: RequestShape) -> None:
         """The prefill step of a handoff planned for ``shape`` has ended (well or not)."""
@@ -127,7 +141,7 @@ class Router:
                 pool += self.board.healthy(Role.PREFILL)
             elif not pool:
                 pool, fallback = self.board.healthy(Role.PREFILL), True
-            elif self.serve_on_spare_prefill and policy.name == "load_aware":
+            elif self._serves_on_spare_prefill():
                 spare = [c for c in self.board.healthy(Role.PREFILL)
                          if allowed(c, tried, None) and c.url != prefilled_on]  # fmt: skip
         candidates = [c for c in pool if allowed(c, tried, only)]

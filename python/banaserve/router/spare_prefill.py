@@ -21,6 +21,14 @@ handoff's prompt waits.
 
 Pure: a decision over the board's :class:`InstanceLoad` records (the router's in-flight work
 merged in), so the simulator decides as the gateway does.
+
+A long request whose prompt needs a handoff is not handed off when its serve step would take a
+spare prefill instance: it runs there whole, prompt and decode, as on a colocated instance
+(:func:`spare_prefill_serves`; :class:`~banaserve.router.placement.Placer` counts it as a
+spill). Handed off, its prompt would go to the prefill instance with the fewest queued prompt
+tokens, which on two cores is the spare one, and its decode then never there (it prefilled
+it): on ``compare.py``'s uniform_long, every request a handoff, 10 of 11 decodes ran on
+decode-0's core while prefill-1's was busy 40% of the run (RESULTS.md, session 26).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from banaserve.router.load import InstanceLoad
-from banaserve.router.policies import decode_sort_key
+from banaserve.router.policies import decode_sort_key, load_aware_decode
 
 #: Whether long requests may run on spare prefill instances (the ``--serve-on-spare-prefill``
 #: default).
@@ -54,3 +62,13 @@ def spare_prefill_or(chosen: InstanceLoad, prefill: Sequence[InstanceLoad]) -> I
 def core_work(c: InstanceLoad) -> tuple[int, int]:
     """What ``c``'s cores hold: output tokens owed, then requests."""
     return c.core_decode_tokens, c.core_reqs
+
+
+def spare_prefill_serves(serving: Sequence[InstanceLoad], prefill: Sequence[InstanceLoad]) -> bool:
+    """Whether a long request's serve step would go to a spare instance of ``prefill``
+    (:func:`spare_prefill_or`) rather than to the ``load_aware`` decode choice among the
+    healthy ones of ``serving`` (False when none is healthy)."""
+    if not any(c.healthy for c in serving):
+        return False
+    chosen = load_aware_decode(serving)
+    return spare_prefill_or(chosen, prefill) is not chosen
