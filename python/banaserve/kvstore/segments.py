@@ -6,14 +6,22 @@ server map any file under /dev/shm, read it into its pages and overwrite it with
 name the server made is a new file of its own, random, in one recognisable form that the
 client checks before it maps anything. Once both sides map a segment its name is removed, so
 the memory goes back to the kernel when both are gone, even if one is killed.
+
+Neither side leaves a segment to ``multiprocessing``'s resource tracker: the processes of one
+cluster share a tracker, which counts a name that the server and a client both register once,
+and printed a ``KeyError`` traceback at the second unregister, in every cluster's logs at
+shutdown. The names live one round trip; one a killed process leaves, the cluster's reaper
+removes (:mod:`banaserve.cluster.leftovers`).
 """
 
 from __future__ import annotations
 
+import _posixshmem  # the call SharedMemory.unlink makes, without its unregister
 import contextlib
 import os
 import re
 import secrets
+import sys
 from multiprocessing import resource_tracker, shared_memory
 
 from banaserve.kvstore.protocol import ErrorCode, ProtocolError
@@ -28,7 +36,7 @@ def create_segment(size: int) -> shared_memory.SharedMemory:
     Reserving up front (posix_fallocate) turns a full /dev/shm into an OSError here, instead
     of a SIGBUS on first touch that would kill the process that touches it.
     """
-    segment = shared_memory.SharedMemory(f"bkv_{secrets.token_hex(16)}", create=True, size=size)
+    segment = _untracked(f"bkv_{secrets.token_hex(16)}", create=True, size=size)
     fd = getattr(segment, "_fd", -1)
     if fd >= 0 and hasattr(os, "posix_fallocate"):
         try:
@@ -50,7 +58,7 @@ def open_segment(name: object, size: object) -> shared_memory.SharedMemory:
             f"the store named a segment {name!r}, not one it creates", ErrorCode.SHM
         )
     try:
-        segment = shared_memory.SharedMemory(name=name)
+        segment = _untracked(name)
     except FileNotFoundError:
         raise ProtocolError(
             f"shared-memory segment {name!r} not found: shm:// needs the store server on the "
@@ -71,13 +79,18 @@ def open_segment(name: object, size: object) -> shared_memory.SharedMemory:
 
 
 def unlink_name(segment: shared_memory.SharedMemory) -> None:
-    """Remove the segment's name from /dev/shm (once); mappings stay valid."""
-    try:
-        segment.unlink()  # also drops it from this process's resource tracker
-    except FileNotFoundError:
-        # Another side removed it first; this process's tracker must not try again at exit.
-        with contextlib.suppress(Exception):
-            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    """Remove the segment's name from /dev/shm if it is still there; mappings stay valid."""
+    with contextlib.suppress(FileNotFoundError):
+        _posixshmem.shm_unlink(segment._name)  # type: ignore[attr-defined]
+
+
+def _untracked(name: str, create: bool = False, size: int = 0) -> shared_memory.SharedMemory:
+    """``SharedMemory(name, create, size)`` that the resource tracker does not know of."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name, create=create, size=size, track=False)
+    segment = shared_memory.SharedMemory(name, create=create, size=size)
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    return segment
 
 
 def destroy_segment(segment: shared_memory.SharedMemory) -> None:
