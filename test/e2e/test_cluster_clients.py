@@ -140,23 +140,11 @@ def send_then_reset(cluster: Cluster, body: dict, when_running: bool) -> None:
         client.close()
 
 
-def wait_idle(cluster: Cluster) -> list[dict]:
-    """Until no instance holds a request, as the instances report it."""
-    deadline = time.monotonic() + STATE_TIMEOUT
-    while True:
-        instances = state(cluster)["instances"]
-        if not any(i["inflight"] or i["load"]["running_reqs"] or i["load"]["queued_reqs"]
-                   for i in instances):  # fmt: skip
-            return instances
-        assert time.monotonic() < deadline, instances
-        time.sleep(0.2)
-
-
 def test_a_client_that_leaves_stops_its_request(cluster: Cluster) -> None:
     before = aborted(cluster)
     holding = {"temperature": 0.0, "max_new_tokens": HOLD_TOKENS, "ignore_eos": True}
     send_then_reset(cluster, {"text": "Hello", "sampling_params": holding}, when_running=True)
-    wait_idle(cluster)
+    cluster.wait_idle()
     assert aborted(cluster) == before + 1  # aborted, not generated to its end for no one
 
 
@@ -167,7 +155,7 @@ def test_a_stream_reset_early_is_the_clients_failure_not_the_instances(cluster: 
     body = {"text": long_prompt(seed=733), "sampling_params": {**GREEDY, "max_new_tokens": 64},
             "stream": True}  # fmt: skip
     send_then_reset(cluster, body, when_running=False)
-    instances = wait_idle(cluster)
+    instances = cluster.wait_idle()
     assert all(i["failed"] == 0 and i["load"]["healthy"] for i in instances), instances
     assert state(cluster)["gateway"]["errors"] == errors
     answer = call(cluster, "POST", "/generate", KEY,

@@ -101,6 +101,9 @@ def test_a_long_request_runs_on_the_spare_prefill_core(
     prefill instance's, with one plain instance's output."""
     prompt = long_prompt(seed=310, words=300)
     generate(linker_cluster.url, prompt, sampling_params={**GREEDY, "max_new_tokens": 1})
+    # Until decode-0's report shows that request gone: a lagging one ranks its core behind
+    # prefill-1's, and the held request would go there.
+    linker_cluster.wait_idle()
     before = linker_cluster.state()["gateway"]["long_on_prefill"]
     # Far past what this test waits for (the context is raised for it): it runs until this
     # test closes its stream, which aborts it, so "still decoding" is a state, not a pace.

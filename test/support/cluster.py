@@ -17,7 +17,7 @@ import requests
 
 from banaserve.env import ADMIN_TOKEN_ENV
 from banaserve.utils.processes import ManagedProcess, free_port
-from support.servers import SERVER_START_TIMEOUT, TEST_KV_TOKENS
+from support.servers import SERVER_START_TIMEOUT, STATE_TIMEOUT, TEST_KV_TOKENS
 
 #: The admin token of the clusters the tests start (BANASERVE_ADMIN_TOKEN).
 ADMIN_TOKEN = "e2e-admin-token"
@@ -42,6 +42,18 @@ class Cluster:
 
     def instance(self, name: str) -> dict:
         return next(i for i in self.state()["instances"] if i["name"] == name)
+
+    def wait_idle(self) -> list[dict]:
+        """Until no instance holds a request, as the instances report it (their reports lag
+        the gateway's count), and the gateway books no owed tokens; the instances then."""
+        deadline = time.monotonic() + STATE_TIMEOUT
+        while True:
+            instances = self.state()["instances"]
+            if not any(i["inflight"] or i["load"]["running_reqs"] or i["load"]["queued_reqs"]
+                       or i["load"].get("core_decode_tokens") for i in instances):  # fmt: skip
+                return instances
+            assert time.monotonic() < deadline, instances
+            time.sleep(0.2)
 
 
 @contextmanager
