@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare_attribution as attribution  # noqa: E402
-from banaserve.router.placement import HANDOFF_MIN_TOKENS  # noqa: E402
+from banaserve.router.placement import HANDOFF_MIN_TOKENS, IN_PLACE_MAX_NEW_TOKENS  # noqa: E402
 from banaserve.utils.processes import exit_on_sigterm  # noqa: E402
 from compare_plots import plot_bars, plot_sweep  # noqa: E402
 from compare_report import (  # noqa: E402
@@ -98,18 +98,18 @@ WARM_UP_PROMPT = "Warm-up {i}: the weather in a town that no measured prompt men
 WARM_UP_LINE = "Line {j} of warm-up {i}, about a town that no measured prompt mentions. "
 
 
-def _generate(url: str, text: str) -> None:
-    body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+def _generate(url: str, text: str, max_new_tokens: int = 8) -> None:
+    body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
     post(f"{url}/generate", body, timeout=600)
 
 
 def warm_up(running: Running) -> None:
     """Per instance, a short request and a long one through the front, on prompts no workload
     shares. The long ones go at once, so that a load-aware router spreads them, and are long
-    enough for BanaServe to hand them off: every path a measured request takes (a long prefill,
-    the store's writes and reads, the decode instance's load) has run once before the first
-    measured run (seen: BanaServe's first run after a start was 20-40% slower than its
-    repeats with short warm-ups only)."""
+    enough, in prompt and output, for BanaServe to hand them off: every path a measured request
+    takes (a long prefill, the store's writes and reads, the decode instance's load) has run
+    once before the first measured run (seen: BanaServe's first run after a start was 20-40%
+    slower than its repeats with short warm-ups only)."""
     n = max(1, len(running.urls))
     for i in range(n):
         _generate(running.url, WARM_UP_PROMPT.format(i=i))
@@ -117,7 +117,9 @@ def warm_up(running: Running) -> None:
     long_prompts = ["".join(WARM_UP_LINE.format(i=i, j=j) for j in range(lines))
                     for i in range(n)]  # fmt: skip
     with ThreadPoolExecutor(n) as pool:
-        list(pool.map(lambda text: _generate(running.url, text), long_prompts))
+        # More output tokens than a request BanaServe runs whole however long its prompt.
+        list(pool.map(lambda text: _generate(running.url, text, 2 * IN_PLACE_MAX_NEW_TOKENS),
+                      long_prompts))  # fmt: skip
 
 
 def bench_argv(workload: Workload, url: str, model: str, result_file: Path) -> list[str]:

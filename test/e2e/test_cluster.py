@@ -81,31 +81,40 @@ def openai_client(url: str):  # noqa: ANN201
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300)
 
 
-PROMPTS = ["The quick brown fox", long_prompt(seed=101)]
+#: More output tokens than ``--in-place-max-new-tokens``: a long prompt's request is handed off.
+LONG_OUT = {**GREEDY, "max_new_tokens": 24}
+CASES = [("The quick brown fox", GREEDY), (long_prompt(seed=101), LONG_OUT),
+         (long_prompt(seed=102), GREEDY)]  # fmt: skip
 
 
-@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
-def test_generate_matches_a_plain_instance(cluster: Cluster, server: Server, prompt: str) -> None:
-    expected = generate(server.url, prompt)
+@pytest.mark.parametrize(("prompt", "params"), CASES, ids=["short", "long", "long-prompt-only"])
+def test_generate_matches_a_plain_instance(
+    cluster: Cluster, server: Server, prompt: str, params: dict
+) -> None:
+    expected = generate(server.url, prompt, sampling_params=params)
     handoffs = cluster.state()["gateway"]["handoffs"]
-    got = generate(cluster.url, prompt)
+    got = generate(cluster.url, prompt, sampling_params=params)
     assert got["output_ids"] == expected["output_ids"]
-    assert streamed_generate(cluster.url, prompt) == expected["text"]
-    if prompt is PROMPTS[1]:
+    assert streamed_generate(cluster.url, prompt, params) == expected["text"]
+    handed_off = cluster.state()["gateway"]["handoffs"] - handoffs
+    if params is LONG_OUT:
         # The long prompt went through a prefill instance, and the decode instance found its
         # pages in the store rather than computing them.
-        assert cluster.state()["gateway"]["handoffs"] >= handoffs + 1
+        assert handed_off >= 1
         details = got["meta_info"]["cached_tokens_details"] or {}
         assert details.get("storage", 0) + details.get("device", 0) >= 16 * 30, details
+    else:
+        # A request of few output tokens runs whole on one instance, however long its prompt.
+        assert handed_off == 0
 
 
-@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
+@pytest.mark.parametrize(("prompt", "params"), CASES[:2], ids=["short", "long"])
 def test_openai_endpoints_match_a_plain_instance(
-    cluster: Cluster, server: Server, prompt: str
+    cluster: Cluster, server: Server, prompt: str, params: dict
 ) -> None:
     name = cluster.served_model_name
     plain, ours = openai_client(server.url), openai_client(cluster.url)
-    kwargs = {"model": name, "max_tokens": MAX_TOKENS, "temperature": 0}
+    kwargs = {"model": name, "max_tokens": params["max_new_tokens"], "temperature": 0}
     expected = plain.completions.create(prompt=prompt, **kwargs).choices[0].text
     assert ours.completions.create(prompt=prompt, **kwargs).choices[0].text == expected
     stream = ours.completions.create(prompt=prompt, stream=True, **kwargs)
@@ -222,7 +231,7 @@ def settled_store_pages(cluster: Cluster, quiet_s: float = 1.5, timeout: float =
 
 def test_clear_caches_leaves_every_cache_cold(cluster: Cluster) -> None:
     prompt = long_prompt(seed=404)
-    first = generate(cluster.url, prompt)
+    first = generate(cluster.url, prompt, sampling_params=LONG_OUT)
     assert settled_store_pages(cluster) > 0
     answer = requests.post(f"{cluster.url}/clear_caches", headers=ADMIN, timeout=120)
     assert answer.status_code == 200, answer.text
@@ -233,7 +242,7 @@ def test_clear_caches_leaves_every_cache_cold(cluster: Cluster) -> None:
     for url, shard in state["store"].items():
         assert (shard["ram_pages"], shard["ssd_pages"], shard["ram_bytes"]) == (0, 0, 0), url
     before = {i["name"]: i for i in state["instances"]}
-    again = generate(cluster.url, prompt)
+    again = generate(cluster.url, prompt, sampling_params=LONG_OUT)
     assert again["text"] == first["text"] and again["output_ids"] == first["output_ids"]
     after = cluster.state()
     # Cold everywhere: the gateway forgot the prompt (a handoff again) and the prefill

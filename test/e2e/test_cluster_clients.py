@@ -93,8 +93,12 @@ def test_other_host_names_are_refused(cluster: Cluster) -> None:
 
 def test_with_the_key_the_cluster_serves_as_one_instance(cluster: Cluster, server: Server) -> None:
     handoffs = state(cluster)["gateway"]["handoffs"]
-    for prompt in ["The quick brown fox", long_prompt(seed=731)]:  # direct, then a handoff
-        body = {"text": prompt, "sampling_params": GREEDY}
+    # Direct, then a handoff (more output tokens than --in-place-max-new-tokens), sent to an
+    # idle cluster, whose first choice for a long request is the decode instance.
+    long_out = {**GREEDY, "max_new_tokens": 24}
+    for prompt, params in [("The quick brown fox", GREEDY), (long_prompt(seed=731), long_out)]:
+        cluster.wait_idle()
+        body = {"text": prompt, "sampling_params": params}
         expected = requests.post(f"{server.url}/generate", json=body, timeout=300).json()
         answer = call(cluster, "POST", "/generate", KEY, json=body)
         assert answer.status_code == 200, answer.text

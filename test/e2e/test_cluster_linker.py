@@ -13,7 +13,6 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -56,13 +55,19 @@ def restored_tokens(result: dict) -> int:
 def test_every_handoff_loads_the_prefill_pages_layer_wise(
     linker_cluster: Cluster, server: Server
 ) -> None:
-    prompts = [long_prompt(seed=300 + i) for i in range(6)]
+    prompts = [long_prompt(seed=300 + i) for i in range(4)]
+    long_enough = {**GREEDY, "max_new_tokens": 24}  # more than --in-place-max-new-tokens
     handoffs = linker_cluster.state()["gateway"]["handoffs"]
-    with ThreadPoolExecutor(3) as pool:  # concurrent, over both prefill instances
-        results = list(pool.map(lambda p: generate(linker_cluster.url, p), prompts))
+    results = []
+    for prompt in prompts:
+        # One at a time, each to an idle cluster: a long request's first choice is decode-0,
+        # so it is handed off (while decode-0 decodes, one would run whole on prefill-1).
+        linker_cluster.wait_idle()
+        results.append(generate(linker_cluster.url, prompt, sampling_params=long_enough))
     assert linker_cluster.state()["gateway"]["handoffs"] == handoffs + len(prompts)
     for prompt, got in zip(prompts, results, strict=True):
-        assert got["output_ids"] == generate(server.url, prompt)["output_ids"]
+        expected = generate(server.url, prompt, sampling_params=long_enough)
+        assert got["output_ids"] == expected["output_ids"]
         # The decode instance computed at most the prompt's last (partial) page.
         full_pages = got["meta_info"]["prompt_tokens"] // PAGE
         assert restored_tokens(got) >= PAGE * (full_pages - 1) > 0, got["meta_info"]

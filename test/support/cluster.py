@@ -125,7 +125,7 @@ def check_a_burst_computes_a_shared_prefix_once(
     cluster: Cluster, seed: int, *, every_request_hits: bool = True
 ) -> None:
     """8 requests sharing a new prefix at once, spread over the instances: the cluster
-    computes the prefix once and (``every_request_hits``) every request finds it cached.
+    computes the prefix once and (``every_request_hits``) every other request finds it cached.
 
     Which instances serve the direct requests is the router's choice (core-aware: in 2P+1D
     on two cores prefill-0 and decode-0 share core 0, so a burst may never reach prefill-0);
@@ -149,11 +149,10 @@ def check_a_burst_computes_a_shared_prefix_once(
     # each, on the prefill and on the decode side): without coalescing, each prefill
     # instance would compute the prefix itself.
     assert computed < prompt_tokens + 2 * 2 * 16 * len(prompts), (computed, prompt_tokens, after)
-    # Every request found the prefix cached (on its instance or in the store). Whether a
+    # Every request but the one that computed the prefix (a request of few output tokens runs
+    # whole, never handed off) found it cached, on its instance or in the store. Whether a
     # lookup had to wait for the first one's pages (the store's "coalesced") depends on
-    # timing: the gateway usually holds the others until those pages are stored.
+    # timing: the gateway usually holds the others until that one answers.
     hits = [r["meta_info"]["cached_tokens"] for r in results]
-    assert not every_request_hits or all(hit >= prompt_tokens - 2 * 16 for hit in hits), (
-        hits,
-        prompt_tokens,
-    )
+    missed = [hit for hit in hits if hit < prompt_tokens - 2 * 16]
+    assert not every_request_hits or len(missed) <= 1, (hits, prompt_tokens)

@@ -134,7 +134,9 @@ async def answer_ok(request: web.Request) -> web.Response:
     return web.json_response({"text": "ok", "max": body["sampling_params"]["max_new_tokens"]})
 
 
-LONG = {"text": "word " * 100, "sampling_params": {"max_new_tokens": 5}}
+#: A prompt long enough to hand off, and an output long enough that it is (short ones run
+#: whole: ``in_place_max_new_tokens``).
+LONG = {"text": "word " * 100, "sampling_params": {"max_new_tokens": 32}}
 
 
 def test_unreachable_instances_are_retried_elsewhere() -> None:
@@ -147,7 +149,7 @@ def test_unreachable_instances_are_retried_elsewhere() -> None:
             async with gateway_for(specs) as url:
                 for _ in range(3):
                     status, text = await post(f"{url}/generate", LONG)
-                    assert status == 200 and json.loads(text) == {"text": "ok", "max": 5}
+                    assert status == 200 and json.loads(text) == {"text": "ok", "max": 32}
 
     asyncio.run(scenario())
 
@@ -198,7 +200,7 @@ def test_a_prompt_the_cluster_holds_skips_the_prefill_step() -> None:
                      InstanceSpec("decode-0", DECODE, ports["d"])]  # fmt: skip
             async with gateway_for(specs) as url:
                 assert (await post(f"{url}/generate", LONG))[0] == 200
-                assert seen == [(ports["p"], 1), (ports["d"], 5)]  # the handoff
+                assert seen == [(ports["p"], 1), (ports["d"], 32)]  # the handoff
                 seen.clear()
                 question = {"text": LONG["text"] + "why?", "sampling_params": {
                     "max_new_tokens": 5}}  # fmt: skip
@@ -215,19 +217,22 @@ def test_a_prompt_the_cluster_holds_skips_the_prefill_step() -> None:
     asyncio.run(scenario())
 
 
-def test_a_burst_on_a_new_prefix_waits_for_its_prefill_step() -> None:
+@pytest.mark.parametrize("leader_tokens", [32, 5])
+def test_a_burst_on_a_new_prefix_waits_for_the_prompt_computed(leader_tokens: int) -> None:
+    """A long first request is handed off and the burst waits for its prefill step; a short
+    one runs whole and the burst waits until it answers."""
     # Until issue 35 the prefill step lasted 0.5 s and the burst came 0.1 s after it began, so
     # a slow machine could send the burst after the step ended and pass without testing the
     # wait. Now the step lasts until the gateway counts all three followers waiting for it.
     events: list[str] = []
     release = asyncio.Event()
 
-    async def held_prefill(request: web.Request) -> web.Response:
+    async def held_first(request: web.Request) -> web.Response:
         body = await request.json()
-        if body["sampling_params"]["max_new_tokens"] == 1:
-            events.append("prefill started")
+        if not events:
+            events.append(f"computing {body['sampling_params']['max_new_tokens']}")
             await release.wait()
-            events.append("prefill done")
+            events.append("computed")
         else:
             events.append("served")
         return web.json_response({"text": "ok"})
@@ -244,15 +249,17 @@ def test_a_burst_on_a_new_prefix_waits_for_its_prefill_step() -> None:
         raise AssertionError("state not reached")
 
     async def scenario() -> None:
-        async with upstream(held_prefill) as port:
+        async with upstream(held_first) as port:
             specs = [InstanceSpec("prefill-0", PREFILL, port)]
             async with gateway_for(specs) as url:
                 follower = {"text": LONG["text"] + "why?", "sampling_params": {
                     "max_new_tokens": 5}}  # fmt: skip
-                first = asyncio.create_task(post(f"{url}/generate", LONG))
+                leader = {"text": LONG["text"], "sampling_params": {
+                    "max_new_tokens": leader_tokens}}  # fmt: skip
+                first = asyncio.create_task(post(f"{url}/generate", leader))
 
                 async def started() -> bool:
-                    return "prefill started" in events
+                    return bool(events)
 
                 await until(started)
                 burst = [asyncio.create_task(post(f"{url}/generate", follower)) for _ in range(3)]
@@ -261,11 +268,15 @@ def test_a_burst_on_a_new_prefix_waits_for_its_prefill_step() -> None:
                     return await followed(url) == 3
 
                 await until(all_follow)
-                assert events == ["prefill started"], "a follower did not wait for the step"
+                assert len(events) == 1, "a follower did not wait for the prompt"
                 release.set()
                 answers = await asyncio.gather(*burst)
                 assert all(status == 200 for status, _ in [*answers, await first])
-        assert events == ["prefill started", "prefill done"] + ["served"] * 4
+        handed_off = leader_tokens > 16
+        # The handoff's prefill step asks one token, then its serve step is a fourth request.
+        assert events == [f"computing {1 if handed_off else 5}", "computed"] + ["served"] * (
+            3 + handed_off
+        )
 
     asyncio.run(scenario())
 

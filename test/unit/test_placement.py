@@ -12,7 +12,7 @@ from banaserve.router.request_shape import RequestShape
 SYSTEM = "You are a careful assistant who answers in one word. " * 40  # about 2,100 chars
 
 
-def shape(text: str, max_new_tokens: int | None = 4) -> RequestShape:
+def shape(text: str, max_new_tokens: int | None = 64) -> RequestShape:
     return RequestShape(GENERATE, text, len(text) // 4, False, max_new_tokens)
 
 
@@ -20,8 +20,8 @@ def test_a_new_long_prompt_is_handed_off_and_its_followers_are_not() -> None:
     placer = Placer(handoff_min_tokens=256, in_place_max_new_tokens=16)
     first = placer.place(shape(SYSTEM + "What is 2+2?"))
     assert first.handoff and first.uncached_tokens == len(SYSTEM + "What is 2+2?") // 4
-    follower = placer.place(shape(SYSTEM + "Name a colour."))
-    assert not follower.handoff and follower.any_role
+    follower = placer.place(shape(SYSTEM + "Name a colour.", 4))
+    assert not follower.handoff and follower.any_role and not follower.leads
     assert 0 < follower.uncached_tokens < 10  # only the question is new
     again = placer.place(shape(SYSTEM + "Name a colour."))
     assert again.uncached_tokens == 0
@@ -43,7 +43,10 @@ def test_thresholds() -> None:
     assert always.place(shape("hi")).handoff
     assert always.place(shape("hi")).handoff  # even when cached
     assert not always.place(shape(SYSTEM, max_new_tokens=0)).handoff
-    assert not Placer(in_place_max_new_tokens=0).place(shape("hi")).any_role
+    # in_place_max_new_tokens 0: no request is short, so every uncached one is handed off.
+    never_short = Placer(in_place_max_new_tokens=0)
+    assert not never_short.place(shape("hi", 1)).any_role
+    assert never_short.place(shape(SYSTEM, 1)).handoff
     with pytest.raises(ValueError, match="must not be negative"):
         Placer(handoff_min_tokens=-1)
 
@@ -59,6 +62,22 @@ def test_the_index_stays_bounded_and_forgets_the_oldest_first() -> None:
     assert index.cached_fraction("") == 0.0
     with pytest.raises(ValueError):
         PromptIndex(max_chars=0)
+
+
+def test_a_short_request_is_never_handed_off_and_leads_when_its_prompt_is_new() -> None:
+    placer = Placer(handoff_min_tokens=256, in_place_max_new_tokens=16)
+    first = SYSTEM + "What is 2+2?"
+    lead = placer.place(shape(first, 16))
+    assert not lead.handoff and lead.leads and lead.any_role and lead.follows is None
+    assert lead.uncached_tokens == len(first) // 4  # booked as the instance's prefill work
+    # Requests sharing its prompt wait for it, short or long, until its first token.
+    for max_new_tokens in (4, 64):
+        follower = placer.place(shape(SYSTEM + "Name a colour.", max_new_tokens))
+        assert follower.follows == first and not follower.leads and not follower.handoff
+    placer.prefilled(first)
+    assert placer.place(shape(SYSTEM + "Why?", 4)).follows is None
+    # A short request whose prompt is mostly cached does not lead.
+    assert not placer.place(shape(SYSTEM + "How?", 4)).leads
 
 
 def test_a_direct_request_follows_the_pending_handoff_of_its_prefix() -> None:

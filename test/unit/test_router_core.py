@@ -44,8 +44,8 @@ SPECS = [Spec("prefill-0", "prefill", "http://p0"), Spec("prefill-1", "prefill",
          Spec("decode-0", "decode", "http://d0")]  # fmt: skip
 
 
-def shape(prompt: str = "hello world", tokens: int = 300) -> RequestShape:
-    return RequestShape("/generate", prompt, tokens, stream=False, max_new_tokens=8)
+def shape(prompt: str = "hello world", tokens: int = 300, max_new_tokens: int = 8) -> RequestShape:
+    return RequestShape("/generate", prompt, tokens, stream=False, max_new_tokens=max_new_tokens)
 
 
 def make_router(policy: str = "load_aware") -> tuple[Router, Board, Clock]:
@@ -272,9 +272,10 @@ def test_stall_detection_is_off_at_zero_and_without_timestamps() -> None:
 def test_plan_and_reset_go_through_the_placer() -> None:
     router, _, _ = make_router()
     prompt = "You are a helpful assistant. " * 100
-    first = router.plan(shape(prompt, tokens=700))
+    long_ = shape(prompt, tokens=700, max_new_tokens=64)  # short requests are never handed off
+    first = router.plan(long_)
     assert first.handoff
-    router.prefilled(shape(prompt, tokens=700))
-    assert not router.plan(shape(prompt, tokens=700)).handoff  # the prefix is now cached
+    router.prefilled(long_)
+    assert not router.plan(long_).handoff  # the prefix is now cached
     assert router.reset() > 0
-    assert router.plan(shape(prompt, tokens=700)).handoff
+    assert router.plan(long_).handoff

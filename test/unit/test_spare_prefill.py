@@ -105,16 +105,19 @@ def test_a_prompt_takes_the_prefill_instance_back() -> None:
     router = router_2p1d()
     router.plan(chat(0, 0))
     first = serve(router, chat(1))  # decode-0
-    # A new document to summarise in a few tokens arrives: its handoff's prefill step goes to
-    # prefill-1 (core 1 is free of prefill work and holds fewer requests than core 0).
+    # A new document to summarise in a few tokens arrives: it runs whole (no handoff for 8
+    # tokens) on prefill-1, the core owing the fewest output tokens, and leads.
     document = RequestShape(GENERATE, "A new document. " * 400, 1600, False, 8)
-    assert router.plan(document).handoff
-    prefill = router.pick(Role.PREFILL, document)
-    assert prefill.url == "http://p1"
-    # While its prompt waits there, long requests stay on decode-0 though core 1 holds fewer.
+    plan = router.plan(document)
+    assert plan.leads and not plan.handoff
+    lead = router.pick(Role.DECODE, document, any_role=True,
+                      prefill_tokens=plan.uncached_tokens, leads=True)  # fmt: skip
+    assert lead.url == "http://p1"
+    # While its prompt is computed there, long requests stay on decode-0 though core 1 owes
+    # fewer tokens: the prompt comes first.
     second = serve(router, chat(2))
     assert second.url == "http://d0"
-    router.done(prefill, document)
+    router.done(router.first_token(lead), document)
     # The prompt is computed: the very next long request takes prefill-1 again (no dwell).
     third = serve(router, chat(3))
     assert third.url == "http://p1"
@@ -210,10 +213,9 @@ def test_a_long_request_is_handed_off_while_no_prefill_core_is_spare() -> None:
     router.plan(chat(0, 0))
     serve(router, chat(1))
     # A handoff's prompt waits at prefill-1: the prompt comes first, the next one is handed off.
-    short = RequestShape(GENERATE, "Another document. " * 100, 2 * MIN, False, 8)
-    assert router.plan(short).handoff
-    assert router.pick(Role.PREFILL, short).url == "http://p1"
-    assert router.plan(document(1)).handoff
+    other = document(1)
+    assert router.pick(Role.PREFILL, other).url == "http://p1"
+    assert router.plan(document(2)).handoff
 
 
 def test_uncached_long_requests_decode_on_both_cores() -> None:

@@ -28,7 +28,6 @@ second death. A client never waits on an instance that has left routing.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -59,6 +58,7 @@ from banaserve.cluster.failover import Failover, InstanceDeaths, InstanceDied
 from banaserve.cluster.host_guard import host_guard
 from banaserve.cluster.http_errors import error_response, unavailable
 from banaserve.cluster.intake import Admitted, Intake, IntakeBusy
+from banaserve.cluster.leaders import Leaders
 from banaserve.cluster.load_board import InstanceGone, LoadBoard
 from banaserve.cluster.migration_loop import MigrationLoop
 from banaserve.cluster.poison import PoisonGuard
@@ -75,8 +75,6 @@ from banaserve.router.spill import SPILL_PREFILL
 logger = logging.getLogger("banaserve.cluster")
 
 JSON = "application/json"
-#: The longest a direct request waits for the prefill step of the handoff it follows.
-FOLLOW_WAIT_S = 30.0
 #: Paths answered by any one instance (they describe the model, not one instance's state).
 INFO_PATHS = ("/v1/models", "/get_model_info", "/model_info", "/get_server_info",
               "/server_info")  # fmt: skip
@@ -87,10 +85,10 @@ class Gateway:
     death and retries; every routing decision is :attr:`router`'s.
 
     Owns the aiohttp client session (opened and closed with the app, :meth:`app`), the
-    counters, and the events of handoffs still in their prefill step. Every handler runs on
-    that app's event loop, so no state is locked; the board, the router and the failover are
-    confined to the same loop. Handlers block only on the network (the instances, the
-    store's CLEAR); body decoding and validation run in the intake's worker threads.
+    counters, and the prompts being computed that requests follow (:attr:`leaders`). Every
+    handler runs on that app's event loop, so no state is locked; the board, the router and
+    the failover are confined to the same loop. Handlers block only on the network (the
+    instances, the store's CLEAR); body decoding and validation run in the intake's threads.
     """
 
     def __init__(
@@ -123,7 +121,7 @@ class Gateway:
         self.router = Router(board, prefill_policy, decode_policy, placer, spill_prefill,
                              serve_on_spare_prefill)  # fmt: skip
         self.intake = intake if intake is not None else Intake()
-        self._prefilling: dict[str, asyncio.Event] = {}  # by prompt, handoffs in prefill
+        self.leaders = Leaders(self.router)
         self.extra_info = extra_info
         self.clear_store = clear_store  # None: the cluster has no store
         self.counters = GatewayCounters()
@@ -194,28 +192,26 @@ class Gateway:
         if self.migration is not None:
             self.migration.arrived(shape.prompt_tokens, shape.max_new_tokens or 0)
         placement = self.router.plan(shape)
-        if placement.handoff:
-            done = self._prefilling.setdefault(shape.prompt, asyncio.Event())
-            try:
+        computed = self.leaders.begin(shape) if placement.handoff or placement.leads else None
+        try:
+            if placement.handoff:
                 refused, on = await self._prefill(admitted)
-            finally:
-                self.router.prefilled(shape)
-                done.set()
-                if self._prefilling.get(shape.prompt) is done:
-                    del self._prefilling[shape.prompt]
-            if refused is not None:
-                return refused
-            self.counters.handoffs += 1
-            placement = Placement(handoff=True, uncached_tokens=0, any_role=False, prefilled_on=on)
-        else:
-            self.counters.direct += 1
-            self.counters.spilled += placement.spilled
-            followed = self._prefilling.get(placement.follows or "")
-            if followed is not None:
-                self.counters.followed += 1
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(followed.wait(), FOLLOW_WAIT_S)
-        return await self._decode(request, admitted, raw, placement)
+                computed()  # the prompt is computed: release its followers now
+                if refused is not None:
+                    return refused
+                self.counters.handoffs += 1
+                placement = Placement(True, uncached_tokens=0, any_role=False, prefilled_on=on)
+            else:
+                self.counters.direct += 1
+                self.counters.spilled += placement.spilled
+                followed = self.leaders.computing(placement.follows)
+                if followed is not None:
+                    self.counters.followed += 1
+                    await self.leaders.wait(followed)
+            return await self._decode(request, admitted, raw, placement, computed)
+        finally:
+            if computed is not None:
+                computed()
 
     async def _prefill(self, admitted: Admitted) -> tuple[web.Response | None, str | None]:
         """Run the prompt on a prefill instance. Returns the response to give the client when
@@ -276,10 +272,12 @@ class Gateway:
             return response.status, await response.read()
 
     async def _decode(
-        self, request: web.Request, admitted: Admitted, raw: bytes, placement: Placement
-    ) -> web.StreamResponse:
+        self, request: web.Request, admitted: Admitted, raw: bytes, placement: Placement,
+        computed: Callable[[], None] | None = None,
+    ) -> web.StreamResponse:  # fmt: skip
         """Serve the request on a decode instance (or, for ``placement.any_role``, any one).
-        ``placement.uncached_tokens`` count as the instance's queued prefill work meanwhile."""
+        ``placement.uncached_tokens`` count as the instance's queued prefill work meanwhile;
+        ``computed`` is called at its first token (its prompt is computed)."""
         assert self.session is not None
         shape = admitted.shape
         tried: set[str] = set()
@@ -288,7 +286,7 @@ class Gateway:
         while True:
             try:
                 pick = self.router.pick(Role.DECODE, shape, tried, only=only,
-                                        any_role=placement.any_role,
+                                        any_role=placement.any_role, leads=placement.leads,
                                         prefill_tokens=placement.uncached_tokens,
                                         prefilled_on=placement.prefilled_on)  # fmt: skip
             except NoHealthyInstance:
@@ -310,6 +308,8 @@ class Gateway:
             def first_token() -> None:
                 nonlocal pick
                 pick = self.router.first_token(pick)
+                if computed is not None:
+                    computed()
 
             try:
                 return await self._relay(request, url, admitted, raw, pid, first_token,

@@ -283,7 +283,8 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=HANDOFF_MIN_TOKENS,
         help="Prompts with at least this many tokens not yet computed anywhere in the cluster "
-        "go through a prefill instance; others go straight to one instance (default: "
+        "go through a prefill instance (unless the request generates at most "
+        "--in-place-max-new-tokens tokens); others go straight to one instance (default: "
         f"{HANDOFF_MIN_TOKENS}, SGLang's store prefetch threshold).",
     )
     cluster.add_argument(
@@ -291,9 +292,8 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         choices=("on", "off"),
         default="on" if SPILL_PREFILL else "off",
         help="'on': when the prefill instance a long prompt would go to is already "
-        "prefilling, the prompt runs whole instead of queueing: on any instance if it generates "
-        "at most --in-place-max-new-tokens tokens, else on a decode instance whose cores hold "
-        "fewer requests (default: "
+        "prefilling, the prompt runs whole instead of queueing, on a decode instance whose "
+        "cores hold fewer requests (default: "
         f"{'on' if SPILL_PREFILL else 'off'}).",
     )
     cluster.add_argument(
@@ -311,9 +311,10 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         "--in-place-max-new-tokens",
         type=int,
         default=IN_PLACE_MAX_NEW_TOKENS,
-        help="A request that needs no prefill step and generates at most this many tokens may "
-        "run whole on a prefill instance too, balancing over every instance (default: "
-        f"{IN_PLACE_MAX_NEW_TOKENS}; 0 keeps decoding on decode instances).",
+        help="A request that generates at most this many tokens is never handed off: it runs "
+        "whole on any instance, prefill ones too, balancing over every instance (default: "
+        f"{IN_PLACE_MAX_NEW_TOKENS}; 0 hands off every new long prompt and keeps decoding on "
+        "decode instances).",
     )
     cluster.add_argument(
         "--max-restarts-per-minute",

@@ -7,24 +7,29 @@ prefill but doubles the work of a prompt whose prefix the cluster already holds,
 popular system prompt with a short question. The store makes a prefix computed anywhere
 available everywhere, so what decides is the prompt's *uncached* part, not its length:
 
-- uncached part of at least ``handoff_min_tokens``: handoff;
+- a long request (more than ``in_place_max_new_tokens`` output tokens) whose uncached part is
+  at least ``handoff_min_tokens``: handoff;
 - but it *spills*, running whole as a direct request, when the prefill instances are backed
   up (:mod:`.spill`: on a serving instance whose cores are freer), or when its decode would
   run on a spare prefill instance (:mod:`.spare_prefill`: there);
-- otherwise the request goes straight to one instance. Any instance can serve it, because the
-  store gives each one the cached prefix. A decode instance takes it; a prefill instance may
-  too when the request generates at most ``in_place_max_new_tokens`` tokens, a decode phase too
-  short to disturb its prefills. Direct requests then balance over all instances.
+- a long request whose prompt is mostly cached goes straight to a decode instance, which loads
+  the cached prefix from the store;
+- a *short* request (at most ``in_place_max_new_tokens`` output tokens) is never handed off:
+  it runs whole on any instance, prefill ones included (a decode phase too short to disturb
+  their prefills), and when its prompt is uncached it *leads* (below). Its decode is too short
+  to need protecting, and a handoff would only add a second request, a store round trip of the
+  prompt's KV and the last partial page computed twice (RESULTS.md, session 28).
 
 The gateway cannot see the instances' caches, so it keeps its own approximate index of the
 prompts the cluster has computed (text prefixes, as sglang-router's trees, least recently used
 first out when full). A prompt enters the index when it is placed. A direct request whose
-cached prefix comes from a handoff still in its prefill step *follows* it: the gateway holds
-it until that step ends, so a burst on a new system prompt computes it once and every other
-request of the burst loads it, instead of each instance computing it for the requests it
-admitted meanwhile (the store's claims would make them wait too, but only once their own
-instance looks the pages up). The index may be wrong (the store evicted a page, an instance
-failed): then the instance computes more itself, slower but never wrong.
+cached prefix comes from a handoff still in its prefill step, or from a leading request that
+has not answered its first token yet, *follows* it: the gateway holds it until then, so a burst
+on a new system prompt computes it once and every other request of the burst loads it, instead
+of each instance computing it for the requests it admitted meanwhile (the store's claims would
+make them wait too, but only once their own instance looks the pages up). The index may be
+wrong (the store evicted a page, an instance failed): then the instance computes more itself,
+slower but never wrong.
 
 A cluster without a store (``--kv-store none``) cannot hand KV over at all:
 :class:`NoStorePlacer` runs every request whole on one instance.
@@ -58,6 +63,7 @@ class Placement:
     follows: str | None = None  # a handoff's prompt, still in its prefill step, to wait for
     spilled: bool = False  # direct although it needed a handoff (see Placer.place)
     prefilled_on: str | None = None  # a handoff's: the instance whose prefill step computed it
+    leads: bool = False  # direct and short, its prompt uncached: others follow it (see Placer)
 
 
 class PromptIndex:
@@ -101,7 +107,8 @@ class Placer:
     """Decides :class:`Placement` per request and records the prompt as computed.
 
     A handoff is *pending* from :meth:`place` until the gateway calls :meth:`prefilled`
-    with its prompt (whether the prefill step succeeded or not). Not locked: one event loop.
+    with its prompt (whether the prefill step succeeded or not); so is a leading request,
+    until its first token (or its end). Not locked: one event loop.
     """
 
     #: Whether this placer ever hands a request off (False: :class:`NoStorePlacer`).
@@ -124,15 +131,19 @@ class Placer:
         self._pending: Counter[str] = Counter()
 
     def place(self, shape: RequestShape, spill: bool = False) -> Placement:
-        """The plan for ``shape``; ``spill``: a prompt that needs a handoff runs whole on one
-        serving instance instead (the prefill instances are backed up, :mod:`.spill`, or a
-        spare one takes it, :mod:`.spare_prefill`)."""
+        """The plan for ``shape``; ``spill``: a long request whose prompt needs a handoff runs
+        whole on one serving instance instead (the prefill instances are backed up,
+        :mod:`.spill`, or a spare one takes it, :mod:`.spare_prefill`)."""
         cached = self.index.cached_fraction(shape.prompt)
         uncached = round(shape.prompt_tokens * (1.0 - cached))
         self.index.add(shape.prompt)
         # max_new_tokens 0 only fills a cache (SGLang's frontend does it): nothing to hand off.
         handoff = uncached >= self.handoff_min_tokens and shape.max_new_tokens != 0
         short = self.runs_anywhere(shape)
+        if handoff and short:
+            follows = self._followed(shape)
+            self._pending[shape.prompt] += 1
+            return Placement(False, uncached, True, follows, leads=True)
         if handoff and spill:
             return Placement(False, uncached, short, self._followed(shape), spilled=True)
         if handoff:
@@ -154,7 +165,8 @@ class Placer:
         return self.index.clear()
 
     def prefilled(self, prompt: str) -> None:
-        """The prefill step of a handoff placed with ``prompt`` has ended."""
+        """The prefill step of a handoff placed with ``prompt`` has ended, or a leading
+        request's first token came (or it ended without one)."""
         if prompt in self._pending:  # not if a reset came in between
             self._pending[prompt] -= 1
             if self._pending[prompt] <= 0:

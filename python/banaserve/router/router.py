@@ -41,6 +41,9 @@ class Pick:
     fallback: bool = False
     #: Output tokens booked as owed there until ``done`` (a serve step's ``max_new_tokens``).
     decode_tokens: int = 0
+    #: Its prompt is computed for other requests too (a handoff's prefill step, or a leading
+    #: request): booked as queued handoff work, which closes a prefill instance to long requests.
+    for_others: bool = False
 
 
 class Router:
@@ -68,21 +71,21 @@ class Router:
         self.serve_on_spare_prefill = serve_on_spare_prefill
 
     def plan(self, shape: RequestShape) -> Placement:
-        """Handoff or direct, and the prompt recorded as computed (see :class:`Placer`).
-        A prompt that needs a handoff runs whole instead (a spill) with ``spill_prefill``
-        while the prefill instances are backed up (:mod:`banaserve.router.spill`), and with
-        ``serve_on_spare_prefill`` when its serve step would take a spare prefill instance
+        """Handoff or direct, and the prompt recorded as computed (see :class:`Placer`: a
+        short request is never handed off). A long request whose prompt needs a handoff runs
+        whole instead (a spill) with ``spill_prefill`` while the prefill instances are backed
+        up (:mod:`banaserve.router.spill`), and with ``serve_on_spare_prefill`` when its serve
+        step would take a spare prefill instance
         (:func:`~banaserve.router.spare_prefill.spare_prefill_serves`)."""
-        if not self.placer.hands_off:
+        if not self.placer.hands_off or self.placer.runs_anywhere(shape):
             return self.placer.place(shape)
         mixed = self.board.healthy(Role.MIXED)
         prefill = self.board.healthy(Role.PREFILL)
         serving = self.board.healthy(Role.DECODE) + mixed
-        short = self.placer.runs_anywhere(shape)
         whole = self.spill_prefill and prefill_backlogged(
-            prefill + mixed, serving, self.placer.handoff_min_tokens, short
+            prefill + mixed, serving, self.placer.handoff_min_tokens
         )
-        if not (whole or short) and self._serves_on_spare_prefill():
+        if not whole and self._serves_on_spare_prefill():
             whole = spare_prefill_serves(serving, prefill)
         return self.placer.place(shape, whole)
 
@@ -112,6 +115,7 @@ class Router:
         any_role: bool = False,
         prefill_tokens: int | None = None,
         prefilled_on: str | None = None,
+        leads: bool = False,
     ) -> Pick:
         """The instance for ``shape``'s next ``role`` step, booked on the board.
 
@@ -126,7 +130,8 @@ class Router:
         exists to move the decode off the instance that computed the prompt). Instances in
         ``tried`` are skipped; ``only`` allows that one instance alone (a suspect request goes
         back to the instance that restarted). ``prefill_tokens`` (default: the whole prompt)
-        count as the instance's queued prefill work until :meth:`done`.
+        count as the instance's queued prefill work until :meth:`done`; with ``leads`` (a
+        leading request: other requests wait for its prompt) as a handoff's prompt too.
 
         Raises :class:`NoHealthyInstance` when no healthy candidate is left.
         """
@@ -152,19 +157,20 @@ class Router:
             chosen = spare_prefill_or(chosen, spare)
         tokens = shape.prompt_tokens if prefill_tokens is None else prefill_tokens
         owed = shape.decode_tokens if role == Role.DECODE else 0
-        self.board.begin(chosen.url, tokens, handoff=role == Role.PREFILL, decode_tokens=owed)
-        return Pick(chosen.url, role, Role(chosen.role), tokens, fallback, owed)
+        for_others = role == Role.PREFILL or leads
+        self.board.begin(chosen.url, tokens, handoff=for_others, decode_tokens=owed)
+        return Pick(chosen.url, role, Role(chosen.role), tokens, fallback, owed, for_others)
 
     def first_token(self, pick: Pick) -> Pick:
         """``pick``'s instance answered its first token, so its prompt is computed: the pick
         with no prefill tokens booked any more (hand that one to :meth:`done`). Without it a
         long request's prompt would count as queued prefill work until its last token."""
-        self.board.prefilled(pick.url, pick.prefill_tokens, handoff=pick.step == Role.PREFILL)
+        self.board.prefilled(pick.url, pick.prefill_tokens, handoff=pick.for_others)
         return dataclasses.replace(pick, prefill_tokens=0)
 
     def done(self, pick: Pick, shape: RequestShape) -> None:
         """The step :meth:`pick` placed has ended (answered, failed or abandoned)."""
-        self.board.end(pick.url, pick.prefill_tokens, handoff=pick.step == Role.PREFILL,
+        self.board.end(pick.url, pick.prefill_tokens, handoff=pick.for_others,
                        decode_tokens=pick.decode_tokens)  # fmt: skip
         policy = self.prefill_policy if pick.step == Role.PREFILL else self.decode_policy
         policy.on_done(pick.url, shape.prompt)

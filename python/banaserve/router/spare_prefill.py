@@ -10,7 +10,8 @@ policy chose, and if no handoff's prompt waits there for its prefill step. A han
 step may go there too (its prompt's KV is in the store, so it loads on any instance), except
 to the instance that prefilled it: the router leaves that one out.
 
-Only handoffs' prompts close a prefill instance (:attr:`InstanceLoad.queued_handoff_tokens`):
+Only prompts computed for other requests too (handoffs', and leading short requests':
+:mod:`.placement`) close a prefill instance (:attr:`InstanceLoad.queued_handoff_tokens`):
 a long direct request's own prompt is prefilled wherever it runs, so counting it made a burst
 of long requests pile onto the decode instance (16 arriving at once: the first two or three
 filled prefill-1's queue past the bar, and the rest went to decode-0 until their first tokens

@@ -2,18 +2,14 @@
 
 A handoff sends a prompt's prefill to a prefill instance so that long prefills never stall a
 decode instance's batch. That pays while the prefill instances keep up. When they do not (a
-run of long prompts with short outputs: a prefill-heavy phase), every new prompt queues behind
+run of long prompts: a prefill-heavy phase), every new prompt queues behind
 theirs while a decode instance's core sits idle, and the cluster prefills on a fraction of its
 cores: on 1P+1D, one of two (migration_bench in RESULTS.md). Then the prompt *spills*: it runs
-whole, as a direct request, where the router's usual direct pick puts it (the fewest requests
-on the instance's cores):
-
-- a request that generates at most ``in_place_max_new_tokens`` tokens spills whenever the
-  prefill instance it would be handed to is already prefilling: its decode is too short to
-  need protecting, and any instance may take it, the busy prefill instance too (then it runs
-  there whole, one hop fewer than a handoff);
-- a longer one spills only onto decode cores holding fewer requests than that prefill
-  instance's, because its prefill stalls the decodes there for as long as it takes.
+whole, as a direct request, where the router's usual direct pick puts it, but only onto decode
+cores holding fewer requests than that prefill instance's, because its prefill stalls the
+decodes there for as long as it takes. (A short request, generating at most
+``in_place_max_new_tokens`` tokens, is never handed off in the first place:
+:mod:`.placement`.)
 
 Pure: a decision over the board's :class:`InstanceLoad` records (with the router's in-flight
 work merged in), nothing else, so the simulator decides as the gateway does.
@@ -32,28 +28,24 @@ SPILL_PREFILL = True
 
 
 def prefill_backlogged(
-    prefill: Sequence[InstanceLoad],
-    serve: Sequence[InstanceLoad],
-    min_tokens: int,
-    short: bool = False,
+    prefill: Sequence[InstanceLoad], serve: Sequence[InstanceLoad], min_tokens: int
 ) -> bool:
     """Whether a new long prompt should run whole as a direct request instead of queueing for
     a prefill step.
 
     ``prefill``: the instances that take prefill steps; ``serve``: those that serve a direct
-    request of long output (decode and mixed ones); ``short``: the request generates few
-    enough tokens to run on any instance. The prompt spills when the prefill instance it would
-    go to (:func:`load_aware_prefill`'s choice) already holds at least ``min_tokens`` (at
-    least 1) prompt tokens to prefill, so it would wait, and, unless ``short``, some serving
+    request of long output (decode and mixed ones). The prompt spills when the prefill
+    instance it would go to (:func:`load_aware_prefill`'s choice) already holds at least
+    ``min_tokens`` (at least 1) prompt tokens to prefill, so it would wait, and some serving
     instance's cores hold fewer requests (:attr:`InstanceLoad.core_reqs`, neighbours on the
     same cores included) than that prefill instance's. Unhealthy records are ignored; False
-    when no prefill instance is healthy, or (unless ``short``) no serving one.
+    when no prefill or no serving instance is healthy.
     """
     prefill = [c for c in prefill if c.healthy]
     serve = [c for c in serve if c.healthy]
-    if not prefill or not (serve or short):
+    if not prefill or not serve:
         return False
     target = load_aware_prefill(prefill)
     if target.queued_prefill_tokens < max(1, min_tokens):
         return False
-    return short or min(c.core_reqs for c in serve) < target.core_reqs
+    return min(c.core_reqs for c in serve) < target.core_reqs
