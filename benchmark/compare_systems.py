@@ -115,6 +115,10 @@ def known_systems() -> dict[str, SystemSpec]:
         # waiting for them (the wait holds the instance's one store-lookup thread).
         SystemSpec("banaserve_no_coalesce", "banaserve", ours=True,
                    extra=("--kv-store-coalesce-wait-s", "0")),
+        # A new request is scheduled without waiting for its store lookup (SGLang's default,
+        # "timeout", holds it in the queue until the lookup and any transfer end or time out).
+        SystemSpec("banaserve_prefetch_best_effort", "banaserve", ours=True,
+                   extra=("--hicache-storage-prefetch-policy", "best_effort")),
         # Round robin: with a shared cache, affinity is the cache's job, not the router's.
         SystemSpec("coloc_hicache", "coloc", "round_robin", instances=2, shared_cache=True),
         *(SystemSpec(f"coloc_{n}_{p}", "coloc", p, instances=n)

@@ -46,9 +46,10 @@ class InstanceLoad:
       them in from the cluster's placement (0 where the instance has its cores to itself or
       nothing is pinned). On a CPU core two instances time-share, so a neighbour's batch slows
       this one's steps as much as its own does.
-    - ``queued_handoff_tokens`` are the prompt tokens of handoffs' prefill steps that the
-      router sent here and has not seen end: prompts waiting to be prefilled *for another
-      instance*, which a prefill instance owes before any decode work. The instance cannot
+    - ``queued_handoff_tokens`` are the prompt tokens of handoffs' prefill steps (and of
+      leading short requests, until their first token) that the router sent here and has not
+      seen end: prompts waiting to be prefilled *for other requests*, which a prefill instance
+      owes before any decode work. The instance cannot
       tell them from a direct request's prompt; the router's board fills them in (0 elsewhere).
     - ``core_decode_tokens`` are the output tokens that the router's requests on this
       instance's cores (its own and its core neighbours') may still generate, each booked at

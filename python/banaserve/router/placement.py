@@ -60,7 +60,7 @@ class Placement:
     handoff: bool  # a prefill instance computes the prompt first
     uncached_tokens: int  # estimated prompt tokens no cache in the cluster holds
     any_role: bool  # the (direct) request may run on a prefill instance as well as a decode
-    follows: str | None = None  # a handoff's prompt, still in its prefill step, to wait for
+    follows: str | None = None  # a prompt still being computed (a handoff's, a leader's)
     spilled: bool = False  # direct although it needed a handoff (see Placer.place)
     prefilled_on: str | None = None  # a handoff's: the instance whose prefill step computed it
     leads: bool = False  # direct and short, its prompt uncached: others follow it (see Placer)
