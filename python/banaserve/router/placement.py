@@ -144,11 +144,12 @@ class Placer:
             follows = self._followed(shape)
             self._pending[shape.prompt] += 1
             return Placement(False, uncached, True, follows, leads=True)
+        # From here a request that needs a handoff is long: it decodes on a serving instance.
         if handoff and spill:
-            return Placement(False, uncached, short, self._followed(shape), spilled=True)
+            return Placement(False, uncached, False, self._followed(shape), spilled=True)
         if handoff:
             self._pending[shape.prompt] += 1
-            return Placement(handoff=True, uncached_tokens=uncached, any_role=short)
+            return Placement(handoff=True, uncached_tokens=uncached, any_role=False)
         return Placement(False, uncached, short, self._followed(shape))
 
     def runs_anywhere(self, shape: RequestShape) -> bool:
