@@ -119,6 +119,9 @@ def known_systems() -> dict[str, SystemSpec]:
         # "timeout", holds it in the queue until the lookup and any transfer end or time out).
         SystemSpec("banaserve_prefetch_best_effort", "banaserve", ours=True,
                    extra=("--hicache-storage-prefetch-policy", "best_effort")),
+        # One prefill and one decode instance, each on a core of its own (no core shared by
+        # two instances' batches); every instance still takes any request (spare prefill).
+        SystemSpec("banaserve_1p1d", "banaserve", ours=True, instances=2, prefill=1, decode=1),
         # Round robin: with a shared cache, affinity is the cache's job, not the router's.
         SystemSpec("coloc_hicache", "coloc", "round_robin", instances=2, shared_cache=True),
         *(SystemSpec(f"coloc_{n}_{p}", "coloc", p, instances=n)

@@ -32,6 +32,7 @@ from banaserve.kvstore.admission import (
 from banaserve.kvstore.auth import load_tenant_tokens
 from banaserve.kvstore.claims import CLAIM_BYTES, DEFAULT_MAX_CLAIMS
 from banaserve.kvstore.protocol import Limits
+from banaserve.kvstore.server.heap import keep_freed_memory
 from banaserve.kvstore.server.ops import ServerConfig
 from banaserve.kvstore.server.tcp import KvStoreServer
 from banaserve.kvstore.server.tenant_stores import build_tenant_stores
@@ -345,6 +346,7 @@ def _log_to_stderr(level: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     _log_to_stderr(args.log_level)
+    keep_freed_memory()
     asyncio.run(serve(args))
 
 
