@@ -218,6 +218,8 @@ def _build_store(args: argparse.Namespace, config: ServerConfig) -> PageStore:
     """The store; with tenant tokens, a store of its own for each tenant (its quota)."""
     from banaserve.kvstore.storage.tiered import TieredStore
 
+    keep_freed_memory()  # this process holds the pages, whichever listener serves them
+
     if args.ssd_dir is not None and args.ssd_capacity_gb <= 0:
         raise SystemExit("--ssd-dir needs --ssd-capacity-gb > 0")
     capacity, ssd_capacity = int(args.capacity_gb * GiB), int(args.ssd_capacity_gb * GiB)
@@ -346,7 +348,6 @@ def _log_to_stderr(level: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     _log_to_stderr(args.log_level)
-    keep_freed_memory()
     asyncio.run(serve(args))
 
 
