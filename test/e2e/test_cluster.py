@@ -45,9 +45,11 @@ from support.servers import STATE_TIMEOUT, TEST_KV_TOKENS, Server
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # Roles as walls: the kill test needs every long request decoding on decode-0 (the default,
-    # long requests on spare prefill cores too, is test_cluster_linker's).
+    # long requests on spare prefill cores too, is test_cluster_linker's), and the handoff
+    # tests every long prompt handed off, never spilled whole onto the idle decode-0.
     logs = tmp_path_factory.mktemp("cluster")
-    with running_cluster(tiny_model, logs, "--serve-on-spare-prefill", "off") as running:
+    walls = ("--serve-on-spare-prefill", "off", "--spill-prefill", "off")
+    with running_cluster(tiny_model, logs, *walls) as running:
         yield running
 
 

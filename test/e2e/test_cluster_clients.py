@@ -36,7 +36,9 @@ ABORTED = re.compile(r"^sglang:num_aborted_requests_total(?:\{[^}]*\})? ([0-9.e+
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("cluster-clients")
-    extra = ("--api-key", KEY, "--context-length", str(HOLD_TOKENS + 1024))
+    # --spill-prefill off: a long prompt to the idle cluster is handed off, not run whole.
+    extra = ("--api-key", KEY, "--context-length", str(HOLD_TOKENS + 1024),
+             "--spill-prefill", "off")  # fmt: skip
     env = {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
     with running_cluster(tiny_model, logs, *extra, prefill=1, decode=1, env=env) as running:
         yield running

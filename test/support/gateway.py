@@ -47,7 +47,9 @@ async def gateway_for(
     board = board if board is not None else LoadBoard(specs)
     gateway = Gateway(
         board, make_policy("round_robin", PREFILL), make_policy("round_robin", DECODE),
-        placer=Placer(handoff_min_tokens=10), **{"admin_token": ADMIN_TOKEN, **options},
+        placer=Placer(handoff_min_tokens=10),
+        # Every long uncached prompt is handed off, even to an idle cluster.
+        **{"admin_token": ADMIN_TOKEN, "spill_prefill": False, **options},
     )  # fmt: skip
     runner = gateway_runner(gateway.app(), gateway.client_limits)  # as cluster/run.py
     await runner.setup()

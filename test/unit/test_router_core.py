@@ -48,11 +48,11 @@ def shape(prompt: str = "hello world", tokens: int = 300, max_new_tokens: int = 
     return RequestShape("/generate", prompt, tokens, stream=False, max_new_tokens=max_new_tokens)
 
 
-def make_router(policy: str = "load_aware") -> tuple[Router, Board, Clock]:
+def make_router(policy: str = "load_aware", spill: bool = True) -> tuple[Router, Board, Clock]:
     clock = Clock()
     board = Board(SPECS, clock)
     router = Router(board, make_policy(policy, Role.PREFILL, clock),
-                    make_policy(policy, Role.DECODE, clock), Placer())  # fmt: skip
+                    make_policy(policy, Role.DECODE, clock), Placer(), spill)  # fmt: skip
     return router, board, clock
 
 
@@ -270,7 +270,7 @@ def test_stall_detection_is_off_at_zero_and_without_timestamps() -> None:
 
 
 def test_plan_and_reset_go_through_the_placer() -> None:
-    router, _, _ = make_router()
+    router, _, _ = make_router(spill=False)  # every long uncached prompt is handed off
     prompt = "You are a helpful assistant. " * 100
     long_ = shape(prompt, tokens=700, max_new_tokens=64)  # short requests are never handed off
     first = router.plan(long_)

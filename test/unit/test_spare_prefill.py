@@ -167,8 +167,7 @@ def test_a_burst_splits_the_output_tokens_owed_evenly_between_the_cores() -> Non
 def test_a_handoffs_serve_step_takes_a_spare_prefill_core() -> None:
     router = router_2p1d()
     document = RequestShape(GENERATE, "A new document. " * 400, 1600, False, 48)
-    assert router.plan(document).handoff
-    router.done(router.pick(Role.PREFILL, document), document)
+    router.done(router.pick(Role.PREFILL, document), document)  # its handoff's prefill step
     router.plan(chat(0, 0))
     serve(router, chat(1))  # decode-0 holds one, prefill-1's core none
     assert router.pick(Role.DECODE, document).url == "http://p1"
@@ -207,9 +206,9 @@ def test_off_or_under_a_baseline_policy_a_long_uncached_request_is_handed_off(
 
 def test_a_long_request_is_handed_off_while_no_prefill_core_is_spare() -> None:
     router = router_2p1d()
-    # An idle cluster: decode-0 is the first choice of a long request, so its prompt is
-    # handed off.
-    assert router.plan(document(0)).handoff
+    # An idle cluster: decode-0 is the first choice of a long request, and its prompt would
+    # stall no decode there, so it runs there whole (a spill, :mod:`banaserve.router.spill`).
+    assert router.plan(document(0)).spilled
     router.plan(chat(0, 0))
     serve(router, chat(1))
     # A handoff's prompt waits at prefill-1: the prompt comes first, the next one is handed off.
@@ -256,3 +255,36 @@ def test_a_retry_does_not_go_back_to_the_prefill_instance_it_tried() -> None:
     router.plan(shape)
     pick = router.pick(Role.DECODE, shape, tried={"http://p1"})
     assert pick.url == "http://d0"
+
+
+#: The cores of router_2p1d's instances.
+CORE = {"http://p0": 0, "http://p1": 1, "http://d0": 0}
+
+
+def test_an_opening_burst_of_new_conversations_runs_two_on_each_core() -> None:
+    """compare.py's chat opens with 4 new conversations at once, each a prompt of its own
+    worth a handoff and 24 output tokens. The first one runs whole on the idle decode-0 (its
+    prompt stalls no decode there), the second whole on the spare prefill-1, and so on: one
+    handoff at most, and each core computes two prompts and decodes two requests. Before,
+    3 of 4 were handed off and their first tokens came 4-7 s after HiCache's 2-3 s."""
+    router = router_2p1d()
+    prompts_on: dict[str, int] = {}
+    decodes_on: dict[str, int] = {}
+    handoffs = []
+    for i in range(4):
+        shape = document(i, 24)
+        plan = router.plan(shape)
+        if plan.handoff:
+            prefill = router.pick(Role.PREFILL, shape)
+            handoffs.append((shape, prefill))
+            prompts_on[shape.prompt] = CORE[prefill.url]
+        else:
+            pick = router.pick(Role.DECODE, shape, prefill_tokens=plan.uncached_tokens)
+            prompts_on[shape.prompt] = decodes_on[shape.prompt] = CORE[pick.url]
+    assert len(handoffs) <= 1
+    for shape, prefill in handoffs:  # the prefill steps end; the serve steps are placed
+        router.done(prefill, shape)
+        router.prefilled(shape)
+        serve = router.pick(Role.DECODE, shape, prefilled_on=prefill.url)
+        decodes_on[shape.prompt] = CORE[serve.url]
+    assert sorted(prompts_on.values()) == sorted(decodes_on.values()) == [0, 0, 1, 1]

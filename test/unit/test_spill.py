@@ -20,6 +20,7 @@ from banaserve.router import (
     Router,
     make_policy,
     prefill_backlogged,
+    serving_idle,
 )
 
 MIN = 256
@@ -62,19 +63,44 @@ def test_a_long_output_spills_only_when_it_would_wait_and_a_decode_core_is_freer
     assert prefill_backlogged(prefill, serve, MIN) is spills
 
 
+@pytest.mark.parametrize(
+    ("serve", "idle"),
+    [
+        ([load("d0", "decode")], True),
+        # One request queued or running on its cores, its own or a core neighbour's: it has
+        # a decode to protect (or soon will).
+        ([load("d0", "decode", reqs=1)], False),
+        ([load("d0", "decode", peers=1)], False),
+        # Any one idle serving instance will do; an unhealthy one takes nothing.
+        ([load("d0", "decode", reqs=2), load("d1", "decode")], True),
+        ([load("d0", "decode", healthy=False)], False),
+        ([], False),
+    ],
+)  # fmt: skip
+def test_a_long_prompt_spills_onto_an_idle_serving_instance(
+    serve: list[InstanceLoad], idle: bool
+) -> None:
+    assert serving_idle(serve) is idle
+
+
 def shape(text: str = LONG, max_new_tokens: int | None = 64) -> RequestShape:
     return RequestShape(GENERATE, text, len(text) // 4, False, max_new_tokens)
 
 
-def test_a_spilled_prompt_runs_direct_and_no_request_waits_for_it() -> None:
+def test_a_spilled_prompt_runs_direct_and_its_twins_wait_for_it() -> None:
     placer = Placer(handoff_min_tokens=MIN)
     spilled = placer.place(shape(), spill=True)
-    assert spilled.spilled and not spilled.handoff
+    assert spilled.spilled and spilled.followed and not spilled.handoff
     assert spilled.uncached_tokens == len(LONG) // 4  # booked as the instance's prefill work
     assert not spilled.any_role  # 64 output tokens: on a decode instance, as a handoff's
-    # It is indexed as computed, but no handoff is pending: a twin neither waits nor spills.
+    # A twin finds the prompt indexed, and waits for it (its first token) rather than
+    # computing it again, as it would for a handoff's: hotspot_long's burst on a new system
+    # prompt, first spilled onto the idle decode-0, queued 286 ms a request against 45 while
+    # the twins did not (RESULTS.md, session 30).
     twin = placer.place(shape(LONG + "?"), spill=True)
-    assert not twin.handoff and not twin.spilled and twin.follows is None
+    assert not twin.handoff and not twin.spilled and twin.follows == LONG
+    placer.prefilled(LONG)  # its first token
+    assert placer.place(shape(LONG + "!"), spill=True).follows is None
     # A request that needs no handoff is never marked spilled, nor is a short one (it leads).
     assert not placer.place(shape("short"), spill=True).spilled
     short = placer.place(shape("B" + LONG, 4), spill=True)
@@ -97,29 +123,40 @@ def router_1p1d(spill: bool = SPILL_PREFILL) -> tuple[Router, Board]:
     return router, board
 
 
-def test_the_router_spills_the_second_long_prompt_onto_the_idle_decode_core() -> None:
+def test_the_router_spills_onto_an_idle_decode_core_and_one_freer_than_the_prefill_core() -> None:
     assert SPILL_PREFILL  # on by default
     router, _ = router_1p1d()
-    # Different documents (the second shares no prefix worth following), long outputs.
-    first, second = shape("A" + LONG, 64), shape("B" + LONG, 64)
+    # Different documents (none shares a prefix worth following), long outputs.
+    first, second, third, fourth = (shape(f"{c}" + LONG, 64) for c in "ABCE")
+    # An idle cluster: the prompt stalls no decode on decode-0, so it runs whole there.
     plan = router.plan(first)
-    assert plan.handoff
-    prefill = router.pick(Role.PREFILL, first)  # its prefill step runs on prefill-0
-    assert prefill.url == "http://p0"
+    assert plan.spilled and not plan.handoff
+    whole = router.pick(Role.DECODE, first, any_role=plan.any_role,
+                        prefill_tokens=plan.uncached_tokens)  # fmt: skip
+    assert whole.url == "http://d0"
+    # decode-0 decodes, prefill-0's core is spare: the next one runs whole there
+    # (:mod:`banaserve.router.spare_prefill`).
     plan = router.plan(second)
     assert plan.spilled and not plan.handoff
-    serve = router.pick(Role.DECODE, second, any_role=plan.any_role,
-                        prefill_tokens=plan.uncached_tokens)  # fmt: skip
-    assert serve.url == "http://d0"
-    # Both cores now hold one request: the next long-output prompt is handed off again...
-    assert router.plan(shape("C" + LONG, 64)).handoff
-    # ...and a short-output one runs whole on either instance (the fewest on its cores).
+    spare = router.pick(Role.DECODE, second, prefill_tokens=plan.uncached_tokens)
+    assert spare.url == "http://p0"
+    # Both cores hold one request, prefill-0 a prompt: queueing behind it costs no more than
+    # stalling decode-0, so the next long-output prompt is handed off...
+    assert router.plan(third).handoff
+    prefill = router.pick(Role.PREFILL, third)
+    assert prefill.url == "http://p0"
+    # ...and with two prompts on prefill-0's core, one request on decode-0's, the next one
+    # spills onto decode-0.
+    plan = router.plan(fourth)
+    assert plan.spilled and not plan.handoff
+    assert router.pick(Role.DECODE, fourth, prefill_tokens=plan.uncached_tokens).url == "http://d0"
+    # A short-output one runs whole on either instance (the fewest on its cores).
     short = shape("D" + LONG, 4)
     plan = router.plan(short)
     assert plan.leads and plan.any_role and not plan.handoff
     assert router.pick(Role.DECODE, short, any_role=True).url in {"http://p0", "http://d0"}
-    router.done(serve, second)
-    router.done(prefill, first)
+    for pick, done in ((whole, first), (spare, second), (prefill, third)):
+        router.done(pick, done)
 
 
 def test_without_spilling_every_long_prompt_is_handed_off() -> None:

@@ -192,7 +192,7 @@ class Gateway:
         if self.migration is not None:
             self.migration.arrived(shape.prompt_tokens, shape.max_new_tokens or 0)
         placement = self.router.plan(shape)
-        computed = self.leaders.begin(shape) if placement.handoff or placement.leads else None
+        computed = self.leaders.begin(shape) if placement.followed else None
         try:
             if placement.handoff:
                 refused, on = await self._prefill(admitted)

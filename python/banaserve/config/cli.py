@@ -293,7 +293,7 @@ def add_banaserve_args(parser: argparse.ArgumentParser) -> None:
         default="on" if SPILL_PREFILL else "off",
         help="'on': when the prefill instance a long prompt would go to is already "
         "prefilling, the prompt runs whole instead of queueing, on a decode instance whose "
-        "cores hold fewer requests (default: "
+        "cores hold fewer requests, and when a decode instance's cores hold none (default: "
         f"{'on' if SPILL_PREFILL else 'off'}).",
     )
     cluster.add_argument(

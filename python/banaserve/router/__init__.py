@@ -37,7 +37,7 @@ from banaserve.router.prefix_tree import ApproxRadixTree
 from banaserve.router.request_shape import RequestShape
 from banaserve.router.router import Pick, Router
 from banaserve.router.spare_prefill import SERVE_ON_SPARE_PREFILL, spare_prefill_or
-from banaserve.router.spill import SPILL_PREFILL, prefill_backlogged
+from banaserve.router.spill import SPILL_PREFILL, prefill_backlogged, serving_idle
 
 __all__ = [
     "LOADS_PATH",
@@ -67,6 +67,7 @@ __all__ = [
     "load_from_loads",
     "make_policy",
     "prefill_backlogged",
+    "serving_idle",
     "spare_prefill_or",
     "with_inflight",
 ]

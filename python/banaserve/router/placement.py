@@ -10,8 +10,9 @@ available everywhere, so what decides is the prompt's *uncached* part, not its l
 - a long request (more than ``in_place_max_new_tokens`` output tokens) whose uncached part is
   at least ``handoff_min_tokens``: handoff;
 - but it *spills*, running whole as a direct request, when the prefill instances are backed
-  up (:mod:`.spill`: on a serving instance whose cores are freer), or when its decode would
-  run on a spare prefill instance (:mod:`.spare_prefill`: there);
+  up or a serving instance is idle (:mod:`.spill`: on a serving instance whose cores are
+  freer), or when its decode would run on a spare prefill instance (:mod:`.spare_prefill`:
+  there); requests sharing a spilled prompt wait for it (below), as for a handoff's;
 - a long request whose prompt is mostly cached goes straight to a decode instance, which loads
   the cached prefix from the store;
 - a *short* request (at most ``in_place_max_new_tokens`` output tokens) is never handed off:
@@ -23,13 +24,13 @@ available everywhere, so what decides is the prompt's *uncached* part, not its l
 The gateway cannot see the instances' caches, so it keeps its own approximate index of the
 prompts the cluster has computed (text prefixes, as sglang-router's trees, least recently used
 first out when full). A prompt enters the index when it is placed. A direct request whose
-cached prefix comes from a handoff still in its prefill step, or from a leading request that
-has not answered its first token yet, *follows* it: the gateway holds it until then, so a burst
-on a new system prompt computes it once and every other request of the burst loads it, instead
-of each instance computing it for the requests it admitted meanwhile (the store's claims would
-make them wait too, but only once their own instance looks the pages up). The index may be
-wrong (the store evicted a page, an instance failed): then the instance computes more itself,
-slower but never wrong.
+cached prefix comes from a handoff still in its prefill step, or from a leading or spilled
+request that has not answered its first token yet, *follows* it: the gateway holds it until
+then, so a burst on a new system prompt computes it once and every other request of the burst
+loads it, instead of each instance computing it for the requests it admitted meanwhile (the
+store's claims would make them wait too, but only once their own instance looks the pages
+up). The index may be wrong (the store evicted a page, an instance failed): then the instance
+computes more itself, slower but never wrong.
 
 A cluster without a store (``--kv-store none``) cannot hand KV over at all:
 :class:`NoStorePlacer` runs every request whole on one instance.
@@ -64,6 +65,12 @@ class Placement:
     spilled: bool = False  # direct although it needed a handoff (see Placer.place)
     prefilled_on: str | None = None  # a handoff's: the instance whose prefill step computed it
     leads: bool = False  # direct and short, its prompt uncached: others follow it (see Placer)
+
+    @property
+    def followed(self) -> bool:
+        """Whether requests sharing its prompt wait for it (see :class:`Placer`): a handoff's
+        until its prefill step ends, a leading or spilled request's until its first token."""
+        return self.handoff or self.leads or self.spilled
 
 
 class PromptIndex:
@@ -107,8 +114,8 @@ class Placer:
     """Decides :class:`Placement` per request and records the prompt as computed.
 
     A handoff is *pending* from :meth:`place` until the gateway calls :meth:`prefilled`
-    with its prompt (whether the prefill step succeeded or not); so is a leading request,
-    until its first token (or its end). Not locked: one event loop.
+    with its prompt (whether the prefill step succeeded or not); so is a leading or spilled
+    request, until its first token (or its end). Not locked: one event loop.
     """
 
     #: Whether this placer ever hands a request off (False: :class:`NoStorePlacer`).
@@ -146,7 +153,9 @@ class Placer:
             return Placement(False, uncached, True, follows, leads=True)
         # From here a request that needs a handoff is long: it decodes on a serving instance.
         if handoff and spill:
-            return Placement(False, uncached, False, self._followed(shape), spilled=True)
+            follows = self._followed(shape)
+            self._pending[shape.prompt] += 1
+            return Placement(False, uncached, False, follows, spilled=True)
         if handoff:
             self._pending[shape.prompt] += 1
             return Placement(handoff=True, uncached_tokens=uncached, any_role=False)

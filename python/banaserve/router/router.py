@@ -23,7 +23,7 @@ from banaserve.router.spare_prefill import (
     spare_prefill_or,
     spare_prefill_serves,
 )
-from banaserve.router.spill import SPILL_PREFILL, prefill_backlogged
+from banaserve.router.spill import SPILL_PREFILL, prefill_backlogged, serving_idle
 
 
 @dataclass(frozen=True)
@@ -74,16 +74,17 @@ class Router:
         """Handoff or direct, and the prompt recorded as computed (see :class:`Placer`: a
         short request is never handed off). A long request whose prompt needs a handoff runs
         whole instead (a spill) with ``spill_prefill`` while the prefill instances are backed
-        up (:mod:`banaserve.router.spill`), and with ``serve_on_spare_prefill`` when its serve
-        step would take a spare prefill instance
+        up or a serving instance is idle (:mod:`banaserve.router.spill`), and with
+        ``serve_on_spare_prefill`` when its serve step would take a spare prefill instance
         (:func:`~banaserve.router.spare_prefill.spare_prefill_serves`)."""
         if not self.placer.hands_off or self.placer.runs_anywhere(shape):
             return self.placer.place(shape)
         mixed = self.board.healthy(Role.MIXED)
         prefill = self.board.healthy(Role.PREFILL)
         serving = self.board.healthy(Role.DECODE) + mixed
-        whole = self.spill_prefill and prefill_backlogged(
-            prefill + mixed, serving, self.placer.handoff_min_tokens
+        whole = self.spill_prefill and (
+            serving_idle(serving)
+            or prefill_backlogged(prefill + mixed, serving, self.placer.handoff_min_tokens)
         )
         if not whole and self._serves_on_spare_prefill():
             whole = spare_prefill_serves(serving, prefill)

@@ -1,4 +1,5 @@
-"""When the prefill instances are backed up, a long prompt runs whole where cores are free.
+"""When the prefill instances are backed up, or a serving instance is idle, a long prompt runs
+whole where cores are free.
 
 A handoff sends a prompt's prefill to a prefill instance so that long prefills never stall a
 decode instance's batch. That pays while the prefill instances keep up. When they do not (a
@@ -10,6 +11,15 @@ cores holding fewer requests than that prefill instance's, because its prefill s
 decodes there for as long as it takes. (A short request, generating at most
 ``in_place_max_new_tokens`` tokens, is never handed off in the first place:
 :mod:`.placement`.)
+
+A handoff also spills when a serving instance's cores hold no request at all
+(:func:`serving_idle`): its prefill there would stall no decode, which is all a handoff
+protects, and a handoff would add its costs, a second request and the KV's round trip through
+the store. In a burst it also misplaced the decodes: a handoff's decode is booked nowhere
+until its prefill step ends, so the decode instance looked free to every request of the burst,
+and on 2P+1D over two cores the first turns of chat's opening burst (4 new conversations, 3
+of them handed off) all decoded on decode-0's core, at a first token 4-7 s against SGLang
+HiCache's 2-3 s (RESULTS.md, session 30).
 
 Pure: a decision over the board's :class:`InstanceLoad` records (with the router's in-flight
 work merged in), nothing else, so the simulator decides as the gateway does.
@@ -49,3 +59,12 @@ def prefill_backlogged(
     if target.queued_prefill_tokens < max(1, min_tokens):
         return False
     return min(c.core_reqs for c in serve) < target.core_reqs
+
+
+def serving_idle(serve: Sequence[InstanceLoad]) -> bool:
+    """Whether a long prompt that needs a handoff should run whole because some healthy
+    instance of ``serve`` (decode and mixed ones) holds no request on its cores
+    (:attr:`InstanceLoad.core_reqs`, neighbours on the same cores included): there its
+    prefill stalls no decode. The router's usual direct pick then takes that instance, or a
+    spare prefill instance as idle."""
+    return any(c.healthy and c.core_reqs == 0 for c in serve)
