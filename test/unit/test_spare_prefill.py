@@ -266,7 +266,7 @@ def test_an_opening_burst_of_new_conversations_runs_two_on_each_core() -> None:
     worth a handoff and 24 output tokens. The first one runs whole on the idle decode-0 (its
     prompt stalls no decode there), the second whole on the spare prefill-1, and so on: one
     handoff at most, and each core computes two prompts and decodes two requests. Before,
-    3 of 4 were handed off and their first tokens came 4-7 s after HiCache's 2-3 s."""
+    3 of 4 were handed off, the first with its prompt on prefill-0, beside decode-0."""
     router = router_2p1d()
     prompts_on: dict[str, int] = {}
     decodes_on: dict[str, int] = {}

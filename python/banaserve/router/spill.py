@@ -15,11 +15,9 @@ decodes there for as long as it takes. (A short request, generating at most
 A handoff also spills when a serving instance's cores hold no request at all
 (:func:`serving_idle`): its prefill there would stall no decode, which is all a handoff
 protects, and a handoff would add its costs, a second request and the KV's round trip through
-the store. In a burst it also misplaced the decodes: a handoff's decode is booked nowhere
-until its prefill step ends, so the decode instance looked free to every request of the burst,
-and on 2P+1D over two cores the first turns of chat's opening burst (4 new conversations, 3
-of them handed off) all decoded on decode-0's core, at a first token 4-7 s against SGLang
-HiCache's 2-3 s (RESULTS.md, session 30).
+the store. On 2P+1D over two cores, chat's opening burst (4 new conversations at once) was 3
+handoffs of 4, the first with its prefill step on prefill-0, beside decode-0 on core 0
+(RESULTS.md, session 30).
 
 Pure: a decision over the board's :class:`InstanceLoad` records (with the router's in-flight
 work merged in), nothing else, so the simulator decides as the gateway does.
@@ -32,8 +30,8 @@ from collections.abc import Sequence
 from banaserve.router.load import InstanceLoad
 from banaserve.router.policies import load_aware_prefill
 
-#: Whether a cluster spills prompts when its prefill instances are backed up (the
-#: ``--spill-prefill`` default).
+#: Whether a cluster spills prompts when its prefill instances are backed up or a serving
+#: instance is idle (the ``--spill-prefill`` default).
 SPILL_PREFILL = True
 
 
