@@ -147,19 +147,17 @@ class Placer:
         # max_new_tokens 0 only fills a cache (SGLang's frontend does it): nothing to hand off.
         handoff = uncached >= self.handoff_min_tokens and shape.max_new_tokens != 0
         short = self.runs_anywhere(shape)
-        if handoff and short:
-            follows = self._followed(shape)
-            self._pending[shape.prompt] += 1
+        if not handoff:
+            return Placement(False, uncached, short, self._followed(shape))
+        # Its prompt is computed for others too (Placement.followed): pending from here on.
+        follows = self._followed(shape) if short or spill else None  # before it is pending
+        self._pending[shape.prompt] += 1
+        if short:
             return Placement(False, uncached, True, follows, leads=True)
         # From here a request that needs a handoff is long: it decodes on a serving instance.
-        if handoff and spill:
-            follows = self._followed(shape)
-            self._pending[shape.prompt] += 1
+        if spill:
             return Placement(False, uncached, False, follows, spilled=True)
-        if handoff:
-            self._pending[shape.prompt] += 1
-            return Placement(handoff=True, uncached_tokens=uncached, any_role=False)
-        return Placement(False, uncached, short, self._followed(shape))
+        return Placement(handoff=True, uncached_tokens=uncached, any_role=False)
 
     def runs_anywhere(self, shape: RequestShape) -> bool:
         """Whether ``shape`` generates few enough tokens (``in_place_max_new_tokens``) to run
