@@ -32,11 +32,12 @@ LONG_OUT = {"temperature": 0.0, "max_new_tokens": 24}
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # Roles as walls: the routing asserted below is the moves' alone. With long requests on
     # spare prefill cores (the default) a load report read before the previous request ended
-    # may send the next one to a prefill-role instance (CI, 2026-12-05).
+    # may send the next one to a prefill-role instance (CI, 2026-12-05); with spills on (the
+    # default) the long prompt runs whole on the decode-role instance when its report says it
+    # is idle, and the handoff asserted below happens or not by timing (CI, 2026-12-07).
     logs = tmp_path_factory.mktemp("migration-role")
-    with running_cluster(
-        tiny_model, logs, "--migration", "role", "--serve-on-spare-prefill", "off"
-    ) as running:
+    walls = ("--serve-on-spare-prefill", "off", "--spill-prefill", "off")
+    with running_cluster(tiny_model, logs, "--migration", "role", *walls) as running:
         yield running
 
 
