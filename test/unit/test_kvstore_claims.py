@@ -133,6 +133,31 @@ def test_waiter_gets_the_pages_the_claimant_puts(server: InProcessServer, scheme
     assert stats["wait_timeouts"] == 0 and stats["claims_held"] == 0
 
 
+def test_a_claimed_run_too_short_to_load_is_not_waited_for(server: InProcessServer) -> None:
+    """Two prompts sharing one page (a chat template): the second computes its prompt at once
+    rather than wait for the first one's whole prefill to store that page, since a hit that
+    short would not be loaded (``min_wait_keys``, SGLang's prefetch threshold in pages); it
+    still claims its own pages, and a run long enough is waited for as before."""
+    shared, data = keys_for("template", 3), pages(6, PAGE, seed=3)
+    first, second = shared[:1] + keys_for("first turn", 2), shared[:1] + keys_for("second", 2)
+    with KvStoreClient(server.url, token=TOKEN) as a, KvStoreClient(server.url, token=TOKEN) as b:
+        assert a.lookup(first, owner="A") == 0  # claims the shared page and its own two
+        start = time.monotonic()
+        assert b.lookup(second, owner="B", wait_s=LONG_WAIT_S, min_wait_keys=2) == 0
+        assert time.monotonic() - start < WOKEN_WITHIN_S  # a wait would run till A's put
+        assert server_stats(server.url)["claim_waits"] == 0
+        assert b.release(second, owner="B") == [False, True, True]  # its own, not A's page
+        # A run as long as min_wait_keys is waited for: B loads what A puts.
+        assert a.lookup(shared, owner="A") == 0
+        waiter = Background(lambda: b.lookup(shared + second[1:], owner="B",
+                                             wait_s=LONG_WAIT_S, min_wait_keys=3))  # fmt: skip
+        wait_until(waiting(server.url))
+        assert a.put(shared, data[:3]) == [True] * 3
+        assert waiter.result(timeout=LONG_WAIT_S) == 3 and waiter.elapsed < WOKEN_WITHIN_S
+        assert b.release(second[1:], owner="B") == [True, True]  # claimed in the first round
+    assert server_stats(server.url)["wait_timeouts"] == 0
+
+
 def test_clear_ends_the_claims_and_wakes_their_waiters(server: InProcessServer) -> None:
     keys, stored = keys_for("clear claimed", 2), keys_for("clear stored", 3)
     with KvStoreClient(server.url, token=TOKEN) as a, KvStoreClient(server.url, token=TOKEN) as b:

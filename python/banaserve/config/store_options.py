@@ -96,7 +96,8 @@ class KvStoreOptions:
     coalesce_wait_s: float = _option(
         DEFAULT_COALESCE_WAIT_S,
         "When a prompt's pages are being computed by another request (on any instance), wait "
-        "up to this long for them to reach the store instead of computing them again "
+        "up to this long for them to reach the store instead of computing them again, "
+        "unless they would make a hit shorter than SGLang's prefetch threshold "
         f"(default: {DEFAULT_COALESCE_WAIT_S:g}; 0 turns coalescing off).",
         to_instance=True, to_extra=True,
     )  # fmt: skip

@@ -44,9 +44,11 @@ from dataclasses import dataclass
 from banaserve.router.prefix_tree import ApproxRadixTree, common_prefix_len
 from banaserve.router.request_shape import RequestShape
 
-#: SGLang's HiCache does not look up the store for fewer new tokens than this (its prefetch
-#: threshold), so a handoff of fewer uncached tokens gains nothing.
-HANDOFF_MIN_TOKENS = 256
+#: SGLang's HiCache neither looks up the store for fewer new tokens than this nor loads a
+#: shorter store hit: the default of its ``prefetch_threshold``, which BanaServe leaves alone.
+SGLANG_PREFETCH_THRESHOLD = 256
+#: A handoff of fewer uncached tokens gains nothing: the decode side would not load them.
+HANDOFF_MIN_TOKENS = SGLANG_PREFETCH_THRESHOLD
 #: Requests generating at most this many tokens (and needing no handoff) may run whole on a
 #: prefill instance.
 IN_PLACE_MAX_NEW_TOKENS = 16

@@ -30,6 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from banaserve.config.store_options import KvStoreOptions
 from banaserve.kvstore.keys import KvLayout
+from banaserve.router.placement import SGLANG_PREFETCH_THRESHOLD
 from banaserve.sglang_ext import request_context
 from banaserve.sglang_ext.store_attachment import RankIdentity, StoreAttachment, open_client
 
@@ -92,6 +93,7 @@ class BanaServeKvStore(HiCacheStorage):
         if self.coalesce_wait_s > 0:
             request_context.install()
         self._store: StoreAttachment | None = None
+        self._min_wait_keys = 0  # set once the page size is known
         self.mem_pool_host: Any = None
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -108,6 +110,7 @@ class BanaServeKvStore(HiCacheStorage):
             dtype=str(mem_pool_host.dtype).removeprefix("torch."),
             page_size=int(mem_pool_host.page_size),
         )
+        self._min_wait_keys = -(-SGLANG_PREFETCH_THRESHOLD // self.layout.page_size)
         config = self.config
         self._store = StoreAttachment(
             self._client,
@@ -144,12 +147,20 @@ class BanaServeKvStore(HiCacheStorage):
         or on any instance) is computing are waited for, up to ``coalesce_wait_s``, and the
         missing tail is claimed for this request, which will compute and store it. Runs on
         SGLang's prefetch thread, so a wait delays only requests still waiting for their
-        prefetch, never the running batch."""
+        prefetch, never the running batch.
+
+        No wait when the hit it could bring is shorter than SGLang's prefetch threshold:
+        SGLang would not load it. Chat prompts share a page or two of template and system
+        prompt; waiting for them held every opening turn behind the first one's whole prefill
+        (benchmark/RESULTS.md, session 30). The threshold is applied per batch of keys SGLang
+        asks about: a later batch follows a whole batch of hits, already past it."""
         request_id = request_context.current_request_id()
         store_keys = self.store.keys(keys)
         if self.store.ledger is None or request_id is None:
             return self.store.stored_prefix(store_keys)
-        return self.store.claiming_lookup(request_id, store_keys, self.coalesce_wait_s)
+        return self.store.claiming_lookup(
+            request_id, store_keys, self.coalesce_wait_s, self._min_wait_keys
+        )
 
     def batch_get_v1(
         self,

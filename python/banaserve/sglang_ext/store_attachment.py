@@ -112,15 +112,19 @@ class StoreAttachment:
     def owner_of(self, request_id: str) -> str:
         return f"{self.owner}/{request_id}" if self.per_request_owner else self.owner
 
-    def claiming_lookup(self, request_id: str, keys: list[bytes], wait_s: float) -> int:
+    def claiming_lookup(
+        self, request_id: str, keys: list[bytes], wait_s: float, min_wait_keys: int = 0
+    ) -> int:
         """Leading ``keys`` stored, after waiting up to ``wait_s`` for those another owner is
-        computing; the missing tail is claimed for ``request_id`` until its pages are stored,
-        or released if it is aborted first. Needs ``claims``."""
+        computing (only if they would make the hit ``min_wait_keys`` long); the missing tail is
+        claimed for ``request_id`` until its pages are stored, or released if it is aborted
+        first. Needs ``claims``."""
         if self.ledger is None:
             raise RuntimeError("this store attachment was opened without claims")
+        owner = self.owner_of(request_id)
         with self.metrics.timed("lookup"):
             hit = self.client.lookup(
-                keys, owner=self.owner_of(request_id), wait_s=wait_s, lease_s=CLAIM_LEASE_S
+                keys, owner=owner, wait_s=wait_s, lease_s=CLAIM_LEASE_S, min_wait_keys=min_wait_keys
             )
         self.ledger.record(request_id, keys[hit:])
         return hit

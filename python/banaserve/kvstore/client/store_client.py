@@ -157,8 +157,7 @@ class KvStoreClient:
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys (a chained prefix) are stored."""
-        present = self.exists(keys)
-        return next((i for i, hit in enumerate(present) if not hit), len(present))
+        return _leading(self.exists(keys))
 
     def lookup(
         self,
@@ -168,10 +167,17 @@ class KvStoreClient:
         wait_s: float = 0.0,
         lease_s: float = 30.0,
         claim: bool = True,
+        min_wait_keys: int = 0,
     ) -> int:
         """How many leading keys (a chained prefix) are stored, after waiting up to ``wait_s``
         for keys another owner is computing; with ``claim``, the missing tail is claimed for
         ``owner`` for ``lease_s`` seconds, so other lookups wait for this caller's PUT.
+
+        ``min_wait_keys``: wait only if the keys stored or being computed by others reach at
+        least this many from the first; a shorter hit is answered at once (a caller that
+        would not load so short a prefix, as SGLang's HiCache below its prefetch threshold,
+        would wait for nothing). Deciding it costs one more round trip, only when some key is
+        claimed by another owner.
 
         ``owner`` names the computation that will PUT the missing pages (1 to 256 chars): an
         instance id, or a request id to coalesce requests within one instance too (a lookup
@@ -198,11 +204,27 @@ class KvStoreClient:
             raise ValueError(f"wait_s must be in [0, {MAX_WAIT_MS / 1000:g}], got {wait_s}")
         if not 0 < lease_s <= MAX_LEASE_MS / 1000:
             raise ValueError(f"lease_s must be in (0, {MAX_LEASE_MS / 1000:g}], got {lease_s}")
+        if not isinstance(min_wait_keys, int) or min_wait_keys < 0:
+            raise ValueError(f"min_wait_keys must be a non-negative int, got {min_wait_keys!r}")
         lease_ms = min(MAX_LEASE_MS, max(1, round(lease_s * 1000)))
+        if wait_s > 0 and min_wait_keys > 0:
+            present, claimed = self._lookup(keys, owner, 0.0, lease_ms, claim)
+            hit = _leading(present)
+            # Where this caller starts computing: its first missing key not left to others.
+            mine = (i for i, (p, c) in enumerate(zip(present, claimed, strict=True)) if not p and c)
+            reach = next(mine, len(keys))
+            if reach == hit or reach < min_wait_keys:
+                return hit
+        return _leading(self._lookup(keys, owner, wait_s, lease_ms, claim)[0])
+
+    def _lookup(
+        self, keys: list[bytes], owner: str, wait_s: float, lease_ms: int, claim: bool
+    ) -> tuple[list[bool], list[bool]]:
+        """One LOOKUP of ``keys`` on their shards: per key, stored and claimed for ``owner``."""
         deadline = time.monotonic() + wait_s
 
-        def ask(shard: Shard, idx: list[int]) -> list[bool]:
-            out: list[bool] = []
+        def ask(shard: Shard, idx: list[int]) -> list[tuple[bool, bool]]:
+            out: list[tuple[bool, bool]] = []
             missed = False
             for chunk in chunks(idx, [0] * len(keys), shard.max_payload):
                 # One deadline for the whole call; no waiting past a miss (useless past it).
@@ -220,14 +242,14 @@ class KvStoreClient:
                     check=reply_check(Op.LOOKUP, len(chunk)),
                     timeout=shard.timeout + left,
                 )
-                out += reply["present"]
+                out += zip(reply["present"], reply["claimed"], strict=True)
                 missed = missed or not all(reply["present"])
             return out
 
         def live(s: int) -> bool:
             return self._shards[s].available() and self._lookup_shards[s].available()
 
-        present = [False] * len(keys)
+        present, claimed = [False] * len(keys), [False] * len(keys)
         rounds = ReplicaRounds(self._ring, keys, self.replication)
         pending = list(range(len(keys)))
         # Only keys whose shard failed in this call go round again (a shard that just died
@@ -241,9 +263,9 @@ class KvStoreClient:
                 if result is None:
                     pending += [i for i in groups[s] if rounds.left(i)]
                     continue
-                for i, hit in zip(groups[s], result, strict=False):
-                    present[i] = hit
-        return next((i for i, hit in enumerate(present) if not hit), len(present))
+                for i, (hit, mine) in zip(groups[s], result, strict=False):
+                    present[i], claimed[i] = hit, mine
+        return present, claimed
 
     def release(self, keys: Sequence[bytes], owner: str) -> list[bool]:
         """End ``owner``'s claims on ``keys`` (a computation given up), so that waiters stop
@@ -468,3 +490,8 @@ class KvStoreClient:
         """:func:`fan_out` over the regular shards and pool unless given others (lookups)."""
         shards = self._shards if shards is None else shards
         return fan_out(groups, fn, shards, self._pool if pool is None else pool)
+
+
+def _leading(present: Sequence[bool]) -> int:
+    """How many leading entries of ``present`` are true: the stored prefix."""
+    return next((i for i, hit in enumerate(present) if not hit), len(present))

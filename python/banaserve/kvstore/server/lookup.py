@@ -55,7 +55,8 @@ async def serve_lookup(
             claim = held[i]
             while not present[i] and claim is not None and claim.owner != owner:
                 if claims.clock() >= deadline or conn.gone:
-                    timed_out = not conn.gone
+                    # A LOOKUP that asked for no wait ran out of nothing: it takes over nothing.
+                    timed_out = not conn.gone and control["wait_ms"] > 0
                     break
                 if unwatch is None:
                     counters["claim_waits"] += 1
