@@ -87,8 +87,9 @@ class Op(enum.IntEnum):
                 every key from there on that is neither stored nor validly claimed by another
                 owner is claimed for ``owner`` for ``lease_ms`` (the same owner renews), and
                 after a wait that ran out (``wait_ms`` > 0) so are the keys another owner did
-                not deliver in time. ``claimed[i]``: ``owner`` now holds key i. 0 <= wait_ms <= MAX_WAIT_MS,
-                0 < lease_ms <= MAX_LEASE_MS, 0 < len(owner) <= MAX_OWNER_CHARS.
+                not deliver in time. ``claimed[i]``: ``owner`` now holds key i.
+                0 <= wait_ms <= MAX_WAIT_MS, 0 < lease_ms <= MAX_LEASE_MS,
+                0 < len(owner) <= MAX_OWNER_CHARS.
     RELEASE     {keys, owner: str} -> {released: [bool]}: end ``owner``'s claims on ``keys``
                 (a computation given up), waking whoever waits on them.
     CLEAR       {} -> {dropped: int}: drop every stored page (every tier) and every claim,
