@@ -93,7 +93,6 @@ class BanaServeKvStore(HiCacheStorage):
         if self.coalesce_wait_s > 0:
             request_context.install()
         self._store: StoreAttachment | None = None
-        self._min_wait_keys = 0  # set once the page size is known
         self.mem_pool_host: Any = None
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -110,7 +109,6 @@ class BanaServeKvStore(HiCacheStorage):
             dtype=str(mem_pool_host.dtype).removeprefix("torch."),
             page_size=int(mem_pool_host.page_size),
         )
-        self._min_wait_keys = -(-SGLANG_PREFETCH_THRESHOLD // self.layout.page_size)
         config = self.config
         self._store = StoreAttachment(
             self._client,
@@ -158,8 +156,9 @@ class BanaServeKvStore(HiCacheStorage):
         store_keys = self.store.keys(keys)
         if self.store.ledger is None or request_id is None:
             return self.store.stored_prefix(store_keys)
+        min_wait_keys = -(-SGLANG_PREFETCH_THRESHOLD // self.layout.page_size)
         return self.store.claiming_lookup(
-            request_id, store_keys, self.coalesce_wait_s, self._min_wait_keys
+            request_id, store_keys, self.coalesce_wait_s, min_wait_keys
         )
 
     def batch_get_v1(
